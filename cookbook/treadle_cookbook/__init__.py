@@ -1,0 +1,1 @@
+"""Recipes built on the treadle client. Imports `treadle` only."""
