@@ -9,8 +9,9 @@ from pydantic import BaseModel, ConfigDict
 
 
 class WireRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # protected_namespaces=(): the protocol has many `model_*` fields (model_id, model_input...).
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
 
 
 class WireResponse(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, protected_namespaces=())

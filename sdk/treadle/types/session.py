@@ -92,3 +92,32 @@ class ServerCapabilities(WireResponse):
 
 class HealthResponse(WireResponse):
     status: Literal["ok"] = "ok"
+
+
+class AuthTokenResponse(WireResponse):
+    """`/auth/token`: a JWT with `exp` and `iat` claims, sent back as `X-API-Key`."""
+
+    jwt: str
+
+
+class ListSessionsResponse(WireResponse):
+    sessions: list[str]
+
+
+class GetSessionResponse(WireResponse):
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
+
+
+class AssignSessionProjectRequest(WireRequest):
+    project_id: str
+
+
+class SessionTraceExportResponse(WireResponse):
+    status: Literal["pending", "ready", "failed"]
+    url: str | None = None
+    """Set when ready."""
+    error: str | None = None
+    """Set when failed."""

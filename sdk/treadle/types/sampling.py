@@ -1,0 +1,119 @@
+"""Sampling wire types: sampling sessions, sample requests and their results.
+
+A sampling session (`{session_id}:sample:{n}`) pins the weights a client samples from: a base
+model, a `tinker://` sampler checkpoint, or an ephemeral save. `SampleRequest` is JSON;
+`SampleResponse` is the Python-side form of a result that travels as protobuf (see
+`treadle.wire`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+from pydantic import Field
+
+from treadle.types._base import WireRequest, WireResponse
+from treadle.types.model_input import ModelInput
+from treadle.types.tensor import TensorData
+
+StopReason: TypeAlias = Literal["stop", "length"]
+
+TOPK_EMPTY_TOKEN = 0
+TOPK_EMPTY_LOGPROB = -99999.0
+"""Top-k matrices fill empty slots with token 0 and this logprob."""
+
+TopkEntries: TypeAlias = list[tuple[int, float]]
+"""Up to k `(token_id, logprob)` pairs for one position, most likely first."""
+
+
+class CreateSamplingSessionRequest(WireRequest):
+    session_id: str
+    sampling_session_seq_id: int
+    """Per-session counter from 0, shared with ephemeral save_weights_for_sampler."""
+    base_model: str | None = None
+    model_path: str | None = None
+    """A `tinker://` sampler checkpoint; None samples the base model."""
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
+class CreateSamplingSessionResponse(WireResponse):
+    sampling_session_id: str
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
+class GetSamplerResponse(WireResponse):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class JoinSamplingSessionRequest(WireRequest):
+    sampling_session_id: str
+    type: Literal["join_sampling_session"] = "join_sampling_session"
+
+
+class JoinSamplingSessionResponse(WireResponse):
+    client_counter: int = Field(ge=1)
+    """Unique among the session's clients (the original is 0); becomes the clone id."""
+    type: Literal["join_sampling_session"] = "join_sampling_session"
+
+
+class SamplingParams(WireRequest):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    """None stops at EOS only; `[]` disables every stop, EOS included."""
+    temperature: float = 1.0
+    top_k: int = -1
+    """-1: no limit."""
+    top_p: float = 1.0
+
+
+class SampleRequest(WireRequest):
+    num_samples: int = 1
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    """Unique per sampling client (from 0; clones use clone_id * 1e9 + n): store as int64."""
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: TensorData | None = None
+    """int64 ids `[len(prompt) - 1, K]` whose prompt logprobs to return; -1 asks nothing."""
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    """Score only the last N prompt tokens; earlier prompt logprobs are None (NaN on wire)."""
+    record_stability_info: bool | None = None
+    type: Literal["sample"] = "sample"
+
+
+class SampledSequence(WireResponse):
+    stop_reason: StopReason
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    topk_logprobs: list[TopkEntries | None] | None = None
+    """Per sampled position; None where the engine reported nothing."""
+    sequence_id: str | None = None
+    """Not on the protobuf wire: clients take it from the future's `sample_sequence_ids`."""
+
+
+class PromptAltTokens(WireResponse):
+    """k independent draws at every prompt position after the first."""
+
+    tokens: TensorData
+    """int64 `[len(prompt) - 1, k]`."""
+    logprobs: TensorData
+    """float32 `[len(prompt) - 1, k]`."""
+
+
+class SampleResponse(WireResponse):
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    """One entry per prompt token; None where not computed (position 0 at least)."""
+    topk_prompt_logprobs: list[TopkEntries | None] | None = None
+    prompt_cache_hit_tokens: int = 0
+    target_prompt_logprobs: TensorData | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
