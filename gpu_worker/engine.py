@@ -1,0 +1,430 @@
+"""The engine: base models held once, many runs' LoRA adapters and AdamW states beside them.
+
+One method per Tinker op. Ops on a run are expected in the caller's order (the scheduler
+enforces seq order); gradients accumulate across forward_backward calls until optim_step.
+`forward_backward_batch` executes several runs' ops as one multi-LoRA pass, each op failing
+or succeeding on its own. Every op validates its input before touching state, so an op that
+raises `UserInputError` leaves the run exactly as it was.
+
+Calls are serialised by a lock: the LoRA row assignment lives on the model while a pass runs.
+The engine knows nothing of HTTP, SQL, Celery or object storage; paths are local folders.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu_worker import checkpoint, sampling
+from gpu_worker.batching import Segment, forward_logprobs
+from gpu_worker.catalog import Catalog, ModelEntry, count_parameters
+from gpu_worker.lora import LoraAdapter, LoraContext, MultiLoraLinear, adapter_shapes, inject
+from gpu_worker.losses import LOSSES
+from gpu_worker.protocol import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOp,
+    ForwardBackwardResult,
+    LoraSpec,
+    ModelInfo,
+    OpError,
+    OptimStepResult,
+    SampleRequest,
+    SampleResult,
+    Usage,
+    UserInputError,
+)
+from gpu_worker.validation import (
+    CheckedDatum,
+    check_adam,
+    check_datums,
+    check_loss_config,
+    check_sampling,
+    check_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSettings:
+    device: str = "auto"  # "auto" (first CUDA device, else CPU), "cpu", "cuda", "cuda:1"
+    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "fp32", "bf16-autocast", "bf16"
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    max_lora_rank: int = 128
+    models: tuple[str, ...] = ()  # loaded at start; others load on first use
+    catalog_entries: tuple[ModelEntry, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)
+    cache_dir: str | None = None
+
+
+@dataclass
+class _Model:
+    name: str
+    model: Any
+    ctx: LoraContext
+    wrapped: dict[str, MultiLoraLinear]
+    info: ModelInfo
+    tokenizer: object | None = None
+
+
+@dataclass
+class _Run:
+    run_id: str
+    model: _Model
+    adapter: LoraAdapter
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+@dataclass
+class _Prepared:
+    op: ForwardBackwardOp
+    run: _Run
+    datums: list[CheckedDatum]
+    config: dict[str, float]
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        if self.settings.num_threads:
+            torch.set_num_threads(self.settings.num_threads)
+        dev = self.settings.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        on_cuda = self.device.type == "cuda"
+        precision = self.settings.precision
+        if precision == "auto":
+            bf16_ok = on_cuda and torch.cuda.is_bf16_supported()
+            precision = "bf16" if bf16_ok else "fp32"
+        if precision not in ("fp32", "bf16-autocast", "bf16"):
+            raise ValueError(f"precision {precision!r}: use auto, fp32, bf16-autocast or bf16")
+        self.weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.autocast_dtype = torch.bfloat16 if precision.startswith("bf16") else None
+        self.catalog = Catalog(list(self.settings.catalog_entries), self.settings.aliases,
+                               self.settings.cache_dir)
+        self._models: dict[str, _Model] = {}
+        self._runs: dict[str, _Run] = {}
+        self._lock = threading.RLock()
+        for name in self.settings.models:
+            self._model(name)
+
+    # --- catalog ------------------------------------------------------------------------
+
+    def list_models(self) -> list[ModelInfo]:
+        return [self.catalog.info(name) for name in self.catalog.names()]
+
+    def tokenizer_dir(self, base_model: str) -> Path:
+        """Folder with the model's tokenizer files (tokenizer.json, tokenizer_config.json, …)."""
+        return self.catalog.tokenizer_dir(base_model)
+
+    def _model(self, name: str) -> _Model:
+        canonical = self.catalog.resolve(name).name
+        if canonical not in self._models:
+            with self._lock:
+                model = self.catalog.load_model(canonical)
+                model.to(device=self.device, dtype=self.weight_dtype)
+                ctx, wrapped = inject(model)
+                info = self.catalog.info(canonical)
+                info = ModelInfo(**{**info.__dict__, "num_parameters": count_parameters(model)})
+                self._models[canonical] = _Model(canonical, model, ctx, wrapped, info)
+                log.info("loaded base model %s on %s", canonical, self.device)
+        return self._models[canonical]
+
+    def _tokenizer(self, m: _Model) -> object:
+        if m.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            m.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir(m.name)))
+        return m.tokenizer
+
+    # --- runs ---------------------------------------------------------------------------
+
+    def create_run(self, run_id: str, base_model: str, lora: LoraSpec) -> None:
+        with self._lock:
+            if run_id in self._runs:
+                raise UserInputError(f"run {run_id!r} already exists; remove it or use a new id")
+            self._check_spec(lora)
+            m = self._model(base_model)
+            self._runs[run_id] = self._new_run(run_id, m, lora)
+
+    def _check_spec(self, lora: LoraSpec) -> None:
+        if not 1 <= lora.rank <= self.settings.max_lora_rank:
+            top = self.settings.max_lora_rank
+            raise UserInputError(f"lora rank {lora.rank} is outside 1..{top}; pass rank ≤ {top}")
+        if not lora.alpha > 0:
+            raise UserInputError(f"lora alpha must be > 0, got {lora.alpha}")
+        if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+            raise UserInputError("set at least one of train_attn, train_mlp, train_unembed")
+
+    def _new_run(self, run_id: str, m: _Model, lora: LoraSpec) -> _Run:
+        adapter = LoraAdapter(lora, adapter_shapes(m.wrapped, lora), self.device)
+        optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4, foreach=False)
+        return _Run(run_id, m, adapter, optimizer)
+
+    def remove_run(self, run_id: str) -> None:
+        with self._lock:
+            self._runs.pop(run_id, None)
+
+    def run_ids(self) -> list[str]:
+        return sorted(self._runs)
+
+    def _run(self, run_id: str) -> _Run:
+        if run_id not in self._runs:
+            raise UserInputError(f"unknown run {run_id!r}; create it first or load its state")
+        return self._runs[run_id]
+
+    def run_memory_bytes(self, run_id: str) -> int:
+        """Bytes held for this run: adapter weights, gradients and AdamW moments."""
+        run = self._run(run_id)
+        total = run.adapter.num_bytes()
+        for p in run.adapter.parameters():
+            if p.grad is not None:
+                total += p.grad.numel() * p.grad.element_size()
+            for v in run.optimizer.state.get(p, {}).values():
+                total += v.numel() * v.element_size()
+        return total
+
+    # --- training -----------------------------------------------------------------------
+
+    def forward(self, run_id: str, data: list[Datum], loss_fn: str = "cross_entropy",
+                loss_fn_config: dict[str, float] | None = None) -> ForwardBackwardResult:
+        op = ForwardBackwardOp(run_id, data, loss_fn, loss_fn_config, forward_only=True)
+        return self._single(op)
+
+    def forward_backward(self, run_id: str, data: list[Datum], loss_fn: str = "cross_entropy",
+                         loss_fn_config: dict[str, float] | None = None) -> ForwardBackwardResult:
+        return self._single(ForwardBackwardOp(run_id, data, loss_fn, loss_fn_config))
+
+    def _single(self, op: ForwardBackwardOp) -> ForwardBackwardResult:
+        with self._lock:
+            prepared = self._prepare(op)
+            return self._execute([prepared])[0]
+
+    def forward_backward_batch(self, ops: list[ForwardBackwardOp]
+                               ) -> list[ForwardBackwardResult | OpError]:
+        """Run several ops (several runs) in as few passes as possible; one result per op."""
+        with self._lock:
+            results: list[ForwardBackwardResult | OpError | None] = [None] * len(ops)
+            groups: dict[tuple[str, bool], list[tuple[int, _Prepared]]] = {}
+            for i, op in enumerate(ops):
+                try:
+                    p = self._prepare(op)
+                except UserInputError as exc:
+                    results[i] = OpError("user", str(exc))
+                    continue
+                groups.setdefault((p.run.model.name, op.forward_only), []).append((i, p))
+            for members in groups.values():
+                try:
+                    outs = self._execute([p for _, p in members])
+                    for (i, _), out in zip(members, outs, strict=True):
+                        results[i] = out
+                except Exception:
+                    log.exception("batched pass failed; retrying its %d ops one by one",
+                                  len(members))
+                    for i, p in members:
+                        try:
+                            results[i] = self._execute([p])[0]
+                        except UserInputError as exc:
+                            results[i] = OpError("user", str(exc))
+                        except Exception as exc:
+                            results[i] = OpError("server", f"{type(exc).__name__}: {exc}")
+            return [r if r is not None else OpError("server", "op was not executed")
+                    for r in results]
+
+    def _prepare(self, op: ForwardBackwardOp) -> _Prepared:
+        run = self._run(op.run_id)
+        config = check_loss_config(op.loss_fn, op.loss_fn_config)
+        info = run.model.info
+        datums = check_datums(op.data, op.loss_fn, info.vocab_size, info.max_context_length)
+        return _Prepared(op, run, datums, config)
+
+    def _execute(self, prepared: list[_Prepared]) -> list[ForwardBackwardResult]:
+        m = prepared[0].run.model
+        forward_only = prepared[0].op.forward_only
+        segments = [Segment(p.run.adapter, p.datums) for p in prepared]
+        snapshot = {id(p): p.grad.clone() if p.grad is not None else None
+                    for pr in prepared for p in pr.run.adapter.parameters()}
+        results: list[ForwardBackwardResult] = []
+        with torch.set_grad_enabled(not forward_only):
+            seg_out = forward_logprobs(m.model, m.ctx, segments, self.device, self.autocast_dtype)
+            total: torch.Tensor | None = None
+            for p, s in zip(prepared, seg_out, strict=True):
+                loss = LOSSES[p.op.loss_fn](s.logp, s.inputs, s.datum_N, len(s.lengths), p.config)
+                total = loss.loss if total is None else total + loss.loss
+                results.append(self._result(s, loss.elementwise_N, loss.metrics))
+            if not forward_only and total is not None and total.requires_grad:
+                try:
+                    total.backward()
+                except Exception:
+                    for pr in prepared:  # restore the gradients accumulated before this op
+                        for prm in pr.run.adapter.parameters():
+                            prm.grad = snapshot[id(prm)]
+                    raise
+        return results
+
+    @staticmethod
+    def _result(s: object, elementwise_N: torch.Tensor, metrics: dict[str, float]
+                ) -> ForwardBackwardResult:
+        lengths: list[int] = s.lengths  # type: ignore[attr-defined]
+        logp = s.logp.detach().float().cpu().numpy()  # type: ignore[attr-defined]
+        elem = elementwise_N.float().cpu().numpy()
+        outputs, start = [], 0
+        for n in lengths:
+            outputs.append({"logprobs": logp[start:start + n].copy(),
+                            "elementwise_loss": elem[start:start + n].copy()})
+            start += n
+        return ForwardBackwardResult(outputs, metrics, Usage(trained_tokens=sum(lengths)))
+
+    def optim_step(self, run_id: str, adam: AdamParams) -> OptimStepResult:
+        with self._lock:
+            run = self._run(run_id)
+            check_adam(adam)
+            params = run.adapter.parameters()
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
+            grad_norm = float(norm) if norm is not None else 0.0
+            if grads and not np.isfinite(grad_norm):
+                run.adapter.zero_grad()
+                raise UserInputError("the accumulated gradient is not finite (NaN or inf); the "
+                                     "step was skipped and gradients cleared: lower the "
+                                     "learning rate or check advantages/weights")
+            if adam.grad_clip_norm > 0 and grads and grad_norm > adam.grad_clip_norm:
+                for g in grads:
+                    g.mul_(adam.grad_clip_norm / (grad_norm + 1e-6))
+            for group in run.optimizer.param_groups:
+                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
+                             eps=adam.eps, weight_decay=adam.weight_decay)
+            run.optimizer.step()
+            run.adapter.zero_grad()
+            run.steps += 1
+            return OptimStepResult({"grad_norm:mean": grad_norm,
+                                    "learning_rate:mean": adam.learning_rate,
+                                    "step:max": float(run.steps)})
+
+    # --- sampling -----------------------------------------------------------------------
+
+    def sample(self, request: SampleRequest) -> SampleResult:
+        result = self.sample_batch([request])[0]
+        if isinstance(result, OpError):
+            raise (UserInputError if result.category == "user" else RuntimeError)(result.message)
+        return result
+
+    def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult | OpError]:
+        """Sample all requests together (one decode loop per base model)."""
+        with self._lock:
+            out: list[SampleResult | OpError | None] = [None] * len(requests)
+            by_model: dict[str, list[tuple[int, sampling.Job]]] = {}
+            for i, req in enumerate(requests):
+                try:
+                    m, adapter = self._sampler(req.run_id, req.base_model)
+                    info = m.info
+                    prompt = check_tokens(req.prompt, info.vocab_size, info.max_context_length,
+                                          "prompt")
+                    check_sampling(req.params, prompt.size, info.max_context_length,
+                                   req.num_samples)
+                    stop_ids, stop_strings = sampling.resolve_stop(req.params.stop, self._eos(m))
+                    job = sampling.Job(prompt.tolist(), req.params, req.num_samples, adapter,
+                                       stop_ids, stop_strings)
+                    by_model.setdefault(m.name, []).append((i, job))
+                except UserInputError as exc:
+                    out[i] = OpError("user", str(exc))
+            for name, members in by_model.items():
+                m = self._models[name]
+                try:
+                    jobs = [job for _, job in members]
+                    sampling.sample_jobs(m.model, m.ctx, self._tokenizer(m), jobs, self.device,
+                                         self.autocast_dtype)
+                    for i, job in members:
+                        out[i] = self._sample_result(m, requests[i], job)
+                except Exception as exc:
+                    log.exception("sampling failed")
+                    for i, _ in members:
+                        out[i] = OpError("server", f"{type(exc).__name__}: {exc}")
+            return [r if r is not None else OpError("server", "not executed") for r in out]
+
+    def _sample_result(self, m: _Model, req: SampleRequest, job: sampling.Job) -> SampleResult:
+        lp, top = None, None
+        if req.prompt_logprobs or req.topk_prompt_logprobs > 0:
+            lp, top = sampling.prompt_scores(m.model, m.ctx, job.adapter, job.prompt,
+                                             req.topk_prompt_logprobs, self.device,
+                                             self.autocast_dtype)
+        sampled = sum(len(s.tokens) for s in job.sequences)
+        usage = Usage(prefill_tokens=len(job.prompt), sampled_tokens=sampled)
+        return SampleResult(job.sequences, lp if req.prompt_logprobs else None, top, usage)
+
+    def compute_logprobs(self, run_id: str | None, tokens: list[int], *,
+                         base_model: str | None = None, topk: int = 0) -> SampleResult:
+        """Prompt logprobs of `tokens` (NaN at position 0) and optional top-k per position."""
+        with self._lock:
+            m, adapter = self._sampler(run_id, base_model)
+            prompt = check_tokens(tokens, m.info.vocab_size, m.info.max_context_length, "prompt")
+            lp, top = sampling.prompt_scores(m.model, m.ctx, adapter, prompt.tolist(), topk,
+                                             self.device, self.autocast_dtype)
+            return SampleResult([], lp, top, Usage(prefill_tokens=int(prompt.size)))
+
+    def _sampler(self, run_id: str | None, base_model: str | None
+                 ) -> tuple[_Model, LoraAdapter | None]:
+        if run_id is not None:
+            run = self._run(run_id)
+            return run.model, run.adapter
+        if base_model is None:
+            raise UserInputError("name a run_id or a base_model to sample from")
+        return self._model(base_model), None
+
+    def _eos(self, m: _Model) -> list[int]:
+        eos = getattr(m.model.config, "eos_token_id", None)
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        tok_eos = getattr(self._tokenizer(m), "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return [int(i) for i in ids]
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def save_state(self, run_id: str, path: str | Path, include_optimizer: bool = True) -> None:
+        with self._lock:
+            run = self._run(run_id)
+            checkpoint.save_state(run.adapter, run.optimizer if include_optimizer else None,
+                                  run.steps, Path(path), run.model.name)
+
+    def load_state(self, run_id: str, path: str | Path, include_optimizer: bool = True,
+                   base_model: str | None = None) -> None:
+        """Replace (or create) the run from a saved state; gradients are cleared."""
+        with self._lock:
+            folder = Path(path)
+            meta = checkpoint.read_meta(folder)
+            spec = checkpoint.spec_from_meta(meta)
+            self._check_spec(spec)
+            name = base_model or (self._runs[run_id].model.name if run_id in self._runs
+                                  else meta["base_model"])
+            m = self._model(name)
+            if self.catalog.resolve(meta["base_model"]).name != m.name:
+                raise UserInputError(f"state at {folder} was trained on {meta['base_model']}, "
+                                     f"not {m.name}; load it into a run on that base model")
+            run = self._new_run(run_id, m, spec)
+            run.adapter.load_named_tensors(checkpoint.load_adapter_tensors(folder))
+            if include_optimizer:
+                checkpoint.load_optimizer_state(run.adapter, run.optimizer, folder)
+                run.steps = int(meta.get("optim_steps", 0))
+            self._runs[run_id] = run
+
+    def export_adapter(self, run_id: str, path: str | Path) -> None:
+        """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
+        self.save_state(run_id, path, include_optimizer=False)
+
+    def export_merged(self, run_id: str, path: str | Path) -> None:
+        """A Hugging Face model folder with the adapter merged in, plus tokenizer files."""
+        with self._lock:
+            run = self._run(run_id)
+            checkpoint.export_merged(run.model.model, run.adapter, Path(path),
+                                     self.tokenizer_dir(run.model.name))

@@ -1,0 +1,190 @@
+"""The engine's op inputs and outputs: plain dataclasses over numpy arrays.
+
+The scheduler builds these from wire requests and reads results back out of them, so this
+module imports only numpy and the standard library — never torch. It deliberately does not
+know the wire encoding (protobuf, JSON, TensorData): callers decode `loss_fn_inputs` into
+dense numpy arrays first. `csr_to_dense` is here for callers that receive sparse CSR tensors
+(the tinker SDK sends 2-D `target_tokens`/`weights` that way); the engine itself only accepts
+dense arrays.
+
+`UserInputError` marks bad input (the message says what to change); any other exception
+raised by the engine is a server error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+LOSS_FNS = (
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "stable_reinforce",
+)
+
+StopReason = Literal["stop", "length"]
+
+
+class UserInputError(ValueError):
+    """The request is malformed; the message says what the caller should change."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One run's adapter: which projections get LoRA, and its rank, alpha and init seed."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass
+class Datum:
+    """One sequence: `tokens` (N,) and token-aligned `loss_fn_inputs`, dense numpy arrays.
+
+    Position i of `tokens` predicts `loss_fn_inputs["target_tokens"][i]`.
+    """
+
+    tokens: np.ndarray | list[int]
+    loss_fn_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of real (unpadded) work done by one op."""
+
+    trained_tokens: int = 0
+    prefill_tokens: int = 0
+    sampled_tokens: int = 0
+
+
+@dataclass
+class ForwardBackwardResult:
+    """Per-datum outputs (always including `logprobs`), `name:reduction` metrics, usage."""
+
+    loss_fn_outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+    usage: Usage
+
+
+@dataclass
+class ForwardBackwardOp:
+    """One run's forward_backward request, for `Engine.forward_backward_batch`."""
+
+    run_id: str
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+    forward_only: bool = False
+
+
+@dataclass
+class OpError:
+    """Why one op of a batch failed; `category` is "user" for bad input, else "server"."""
+
+    category: Literal["user", "server"]
+    message: str
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """AdamW hyper-parameters for one optim_step (defaults as the tinker SDK's)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+
+@dataclass
+class OptimStepResult:
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """`stop=None` stops at EOS only; `stop=[]` disables stopping; strings and ids both work."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | list[int] | str | None = None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+
+
+@dataclass
+class SampleRequest:
+    """One prompt to sample from with one run's adapter (or the base model when run_id is None)."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    run_id: str | None = None
+    base_model: str | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+@dataclass
+class SampleResult:
+    """`prompt_logprobs[0]` is NaN; `topk_prompt_logprobs` is (ids (P,k), logprobs (P,k))."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: np.ndarray | None
+    topk_prompt_logprobs: tuple[np.ndarray, np.ndarray] | None
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_context_length: int
+    vocab_size: int
+    tokenizer_dir: str
+    architecture: str
+    num_parameters: int | None = None
+    aliases: tuple[str, ...] = ()
+
+
+def csr_to_dense(
+    values: np.ndarray,
+    crow_indices: np.ndarray,
+    col_indices: np.ndarray,
+    shape: tuple[int, int],
+    dtype: np.dtype | type | None = None,
+) -> np.ndarray:
+    """Decode a CSR tensor (pad value 0) into a dense (rows, cols) array."""
+    rows, cols = int(shape[0]), int(shape[1])
+    crow = np.asarray(crow_indices, dtype=np.int64)
+    col = np.asarray(col_indices, dtype=np.int64)
+    vals = np.asarray(values)
+    if crow.shape != (rows + 1,) or crow[0] != 0 or crow[-1] != len(col) or len(col) != len(vals):
+        raise UserInputError(
+            f"sparse CSR tensor of shape {shape} is inconsistent: crow_indices must have "
+            f"{rows + 1} entries from 0 to len(col_indices); send a dense tensor instead"
+        )
+    if len(col) and (col.min() < 0 or col.max() >= cols):
+        raise UserInputError(f"sparse CSR column index outside [0, {cols}); fix col_indices")
+    out = np.zeros((rows, cols), dtype=dtype or vals.dtype)
+    row_of = np.repeat(np.arange(rows), np.diff(crow))
+    out[row_of, col] = vals
+    return out
