@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
 from treadle.types._base import WireRequest, WireResponse
 
@@ -28,11 +28,36 @@ class ClientConfigResponse(WireResponse):
     sample_join_sampling_session: bool | None = None
     custom_loss_server_side: bool | None = None
     billing_exception_max_pause_duration_sec: float | None = None
+    credential_default_source: str | None = None
+    sample_dispatch_bytes_semaphore_size: int | None = None
+    inflight_response_bytes_semaphore_size: int | None = None
+    fwdbwd_dispatch_bytes_semaphore_size: int | None = None
+    sample_no_retries: bool | None = None
+    sample_enable_stuck_detection: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_flags(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        return _without_none(handler(self))
 
 
 class ClientDynamicConfigResponse(WireResponse):
     refresh_interval_sec: float | None = None
     sample_cancel_enabled: bool | None = None
+    sample_cancel_max_batch_size: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_flags(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        return _without_none(handler(self))
+
+
+def _without_none(data: dict[str, Any]) -> dict[str, Any]:
+    # The tinker SDK declares these flags as non-nullable with defaults: an explicit null
+    # fails its strict validation, so unset flags must be left out of the JSON entirely.
+    return {key: value for key, value in data.items() if value is not None}
 
 
 class CreateSessionRequest(WireRequest):

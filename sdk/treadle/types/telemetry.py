@@ -10,8 +10,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal, TypeAlias
 
-from pydantic import Field
-
 from treadle.types._base import WireRequest, WireResponse
 
 TelemetryEventType: TypeAlias = Literal[
@@ -27,7 +25,7 @@ class TelemetryEvent(WireResponse):
     severity: Severity
     timestamp: datetime
     event_name: str | None = None
-    event_data: dict[str, Any] = Field(default_factory=dict)
+    event_data: dict[str, Any] | None = None
     error_message: str | None = None
     error_type: str | None = None
     traceback: str | None = None
