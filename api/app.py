@@ -1,0 +1,81 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from api import dbschema
+from api.deps import AppState
+from api.errors import install_error_handlers
+from api.limits import BodySizeLimit
+from api.ratelimit import TokenBuckets
+from api.routes import client, sessions
+from core import sessions as session_service
+from core.clock import Clock, SystemClock
+from core.db import Database
+from core.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, *, clock: Clock | None = None) -> FastAPI:
+    """Build the API for `settings` (embedded mode when none are given).
+
+    The database must already be at the head revision, except the default embedded SQLite file,
+    which Treadle owns and upgrades itself.
+    """
+    settings = settings or Settings()
+    clock = clock or SystemClock()
+    database = Database(settings.resolved_database_url)
+    if settings.database_url is None:
+        settings.ensure_data_dir()
+        dbschema.upgrade(database)
+    dbschema.require_head(database)
+    state = AppState(
+        settings=settings,
+        database=database,
+        clock=clock,
+        server_secret=settings.secret_bytes(),
+        telemetry_limiter=TokenBuckets(settings.telemetry_per_minute),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(_sweep_expired_sessions(state))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            database.dispose()
+
+    app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)
+    app.state.treadle = state
+    install_error_handlers(app)
+    app.include_router(client.router)
+    app.include_router(sessions.router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    return app
+
+
+async def _sweep_expired_sessions(state: AppState) -> None:
+    """Expire silent sessions periodically so their slots and resources are freed."""
+    while True:
+        await asyncio.sleep(state.settings.expiry_sweep_seconds)
+        try:
+            expired = await asyncio.to_thread(
+                session_service.expire_idle,
+                state.database,
+                state.clock,
+                state.settings.session_ttl_seconds,
+            )
+            if expired:
+                logger.info("expired %d idle sessions", len(expired))
+        except Exception:
+            logger.exception("session expiry sweep failed")

@@ -1,0 +1,246 @@
+"""`treadle-server`: run the service and administer tenants and keys.
+
+Admin commands talk to the database directly (they are for the operator, on the operator's
+machine); customers use the HTTP API.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from core import apikeys, tenants
+from core.clock import SystemClock
+from core.db import Database
+from core.errors import TreadleError
+from core.settings import Mode, Settings
+
+app = typer.Typer(
+    help="Treadle server: run it, migrate its database, administer tenants and keys.",
+    no_args_is_help=True,
+)
+admin = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
+tenants_cli = typer.Typer(help="Create, list and change tenants.", no_args_is_help=True)
+keys_cli = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+app.add_typer(admin, name="admin")
+admin.add_typer(tenants_cli, name="tenants")
+admin.add_typer(keys_cli, name="keys")
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code=2)
+
+
+def _database(settings: Settings) -> Database:
+    from api import dbschema
+
+    database = Database(settings.resolved_database_url)
+    if settings.database_url is None:
+        settings.ensure_data_dir()
+        dbschema.upgrade(database)
+    dbschema.require_head(database)
+    return database
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+) -> None:
+    """Run Treadle in embedded mode: one process, no configuration needed."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.bootstrap import ensure_default_key
+
+    settings = Settings()
+    if host is not None:
+        settings.host = host
+    if port is not None:
+        settings.port = port
+    if settings.mode is Mode.DISTRIBUTED:
+        raise _fail(
+            "TREADLE_REDIS_URL is set: use `treadle-server api` (and workers) for distributed mode"
+        )
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        application = create_app(settings)
+        key = ensure_default_key(settings, application.state.treadle.database, SystemClock())
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    url = f"http://{settings.host}:{settings.port}"
+    console.print(f"[bold]Treadle[/] (embedded mode) listening on [cyan]{url}[/]")
+    console.print(f"  data directory: {settings.data_dir}")
+    console.print(f"  API key for tenant 'default': [green]{key}[/]", soft_wrap=True)
+    console.print(
+        f"  try: TINKER_BASE_URL={url} TINKER_API_KEY=<key> python your_loop.py", soft_wrap=True
+    )
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
+def migrate(
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+) -> None:
+    """Upgrade the database schema (run before starting servers after an upgrade)."""
+    from api import dbschema
+
+    settings = Settings()
+    if settings.database_url is None:
+        settings.ensure_data_dir()
+    database = Database(settings.resolved_database_url)
+    dbschema.upgrade(database, revision)
+    console.print(f"database at revision [green]{dbschema.current_revision(database)}[/]")
+
+
+@app.command()
+def downgrade(revision: Annotated[str, typer.Argument(help="Target revision, or 'base'.")]) -> None:
+    """Downgrade the database schema to an older revision."""
+    from api import dbschema
+
+    database = Database(Settings().resolved_database_url)
+    dbschema.downgrade(database, revision)
+    console.print(f"database at revision [yellow]{dbschema.current_revision(database)}[/]")
+
+
+def _limits_text(value: int | None) -> str:
+    return "none" if value is None else f"{value / 1e6:.2f}"
+
+
+@tenants_cli.command("create")
+def tenants_create(
+    name: str,
+    max_sessions: Annotated[int, typer.Option(help="Concurrent sessions allowed.")] = 4,
+    max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank allowed.")] = 64,
+    spend_limit: Annotated[float | None, typer.Option(help="Spend cap in currency units.")] = None,
+) -> None:
+    """Create a tenant."""
+    settings = Settings()
+    try:
+        with _database(settings).transaction() as db:
+            tenant = tenants.create_tenant(
+                db,
+                SystemClock(),
+                name,
+                max_concurrent_sessions=max_sessions,
+                max_lora_rank=max_lora_rank,
+                spend_limit_micros=None if spend_limit is None else round(spend_limit * 1_000_000),
+            )
+            console.print(f"created tenant [bold]{tenant.name}[/] ({tenant.id})")
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+
+
+@tenants_cli.command("update")
+def tenants_update(
+    name: str,
+    max_sessions: Annotated[int | None, typer.Option()] = None,
+    max_lora_rank: Annotated[int | None, typer.Option()] = None,
+    spend_limit: Annotated[float | None, typer.Option()] = None,
+    no_spend_limit: Annotated[bool, typer.Option(help="Remove the spend cap.")] = False,
+) -> None:
+    """Change a tenant's limits."""
+    try:
+        with _database(Settings()).transaction() as db:
+            tenant = tenants.update_tenant_limits(
+                db,
+                tenants.find_tenant(db, name),
+                max_concurrent_sessions=max_sessions,
+                max_lora_rank=max_lora_rank,
+                spend_limit_micros=None if spend_limit is None else round(spend_limit * 1_000_000),
+                clear_spend_limit=no_spend_limit,
+            )
+            console.print(f"updated tenant [bold]{tenant.name}[/]")
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+
+
+@tenants_cli.command("list")
+def tenants_list() -> None:
+    """List tenants with their limits."""
+    table = Table("id", "name", "max sessions", "max rank", "spend limit", "created")
+    with _database(Settings()).transaction() as db:
+        for t in tenants.list_tenants(db):
+            table.add_row(
+                t.id,
+                t.name,
+                str(t.max_concurrent_sessions),
+                str(t.max_lora_rank),
+                _limits_text(t.spend_limit_micros),
+                t.created_at.isoformat(timespec="seconds"),
+            )
+    console.print(table)
+
+
+@keys_cli.command("create")
+def keys_create(
+    tenant: str,
+    name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+    scope: Annotated[str, typer.Option(help="tenant or admin.")] = "tenant",
+) -> None:
+    """Create an API key. It is shown once: store it now."""
+    settings = Settings()
+    try:
+        database = _database(settings)
+        with database.transaction() as db:
+            row, key = apikeys.issue_api_key(
+                db,
+                SystemClock(),
+                settings.secret_bytes(),
+                tenants.find_tenant(db, tenant),
+                name=name,
+                scope=scope,
+            )
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    err_console.print(
+        f"created {scope} key [bold]{row.id}[/] for tenant {tenant}; it is shown only once:"
+    )
+    typer.echo(key)
+
+
+@keys_cli.command("list")
+def keys_list(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
+) -> None:
+    """List API keys (never their secrets)."""
+    table = Table("key id", "tenant", "name", "scope", "created", "last used", "revoked")
+    with _database(Settings()).transaction() as db:
+        tenant_id = tenants.find_tenant(db, tenant).id if tenant else None
+        names = {t.id: t.name for t in tenants.list_tenants(db)}
+        for k in apikeys.list_api_keys(db, tenant_id):
+            table.add_row(
+                k.id,
+                names.get(k.tenant_id, k.tenant_id),
+                k.name,
+                k.scope,
+                k.created_at.isoformat(timespec="seconds"),
+                k.last_used_at.isoformat(timespec="seconds") if k.last_used_at else "never",
+                k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
+            )
+    console.print(table)
+
+
+@keys_cli.command("revoke")
+def keys_revoke(key_id: str) -> None:
+    """Revoke an API key by its id; requests with it then get 401."""
+    try:
+        with _database(Settings()).transaction() as db:
+            apikeys.revoke_api_key(db, SystemClock(), key_id)
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    console.print(f"revoked key [bold]{key_id}[/]")
+
+
+def main() -> None:
+    app()

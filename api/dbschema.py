@@ -1,0 +1,57 @@
+"""Schema management through Alembic: upgrade, downgrade, and the at-head check.
+
+The application never creates tables itself; `treadle-server migrate` (or embedded start-up)
+runs the revisions in `migrations/`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from core.db import Database
+from core.errors import DatabaseNotMigrated
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(resources.files("migrations")))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade(db: Database, revision: str = "head") -> None:
+    config = alembic_config(db.url)
+    with db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, revision)
+
+
+def downgrade(db: Database, revision: str = "base") -> None:
+    config = alembic_config(db.url)
+    with db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)
+
+
+def head_revision(db: Database) -> str | None:
+    return ScriptDirectory.from_config(alembic_config(db.url)).get_current_head()
+
+
+def current_revision(db: Database) -> str | None:
+    with db.engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def require_head(db: Database) -> None:
+    current, head = current_revision(db), head_revision(db)
+    if current != head:
+        state = "has no Treadle schema" if current is None else f"is at revision {current}"
+        raise DatabaseNotMigrated(
+            f"the database {db.engine.url.render_as_string(hide_password=True)} {state}, "
+            f"but this server needs revision {head}; run `treadle-server migrate` first"
+        )

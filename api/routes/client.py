@@ -1,0 +1,69 @@
+"""Client bootstrap endpoints: configuration flags, telemetry, capabilities, health."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+
+from api.deps import CurrentPrincipal, State
+from core.errors import InvalidInput, PayloadTooLarge
+from treadle.types import (
+    ClientConfigRequest,
+    ClientConfigResponse,
+    ClientDynamicConfigResponse,
+    HealthResponse,
+    ServerCapabilities,
+    SupportedModel,
+    TelemetryResponse,
+)
+
+router = APIRouter(prefix="/api/v1", tags=["client"])
+
+
+@router.post(
+    "/client/config", response_model=ClientConfigResponse, response_model_exclude_none=True
+)
+def client_config(_: ClientConfigRequest) -> ClientConfigResponse:
+    # Plain httpx keeps one HTTP stack on both sides; everything else keeps the SDK defaults.
+    return ClientConfigResponse(use_pyqwest_transport=False)
+
+
+@router.post(
+    "/client/dynamic_config",
+    response_model=ClientDynamicConfigResponse,
+    response_model_exclude_none=True,
+)
+def client_dynamic_config(_: ClientConfigRequest) -> ClientDynamicConfigResponse:
+    return ClientDynamicConfigResponse()
+
+
+@router.post("/telemetry", response_model=TelemetryResponse)
+async def telemetry(
+    request: Request, principal: CurrentPrincipal, state: State
+) -> TelemetryResponse:
+    """Accepted and dropped: Treadle keeps no client telemetry. Rate-limited per API key."""
+    state.telemetry_limiter.take(principal.key_id, "telemetry")
+    body = await request.body()
+    if len(body) > state.settings.telemetry_max_bytes:
+        raise PayloadTooLarge(
+            f"telemetry batch of {len(body)} bytes exceeds {state.settings.telemetry_max_bytes}; "
+            "send smaller batches"
+        )
+    try:
+        json.loads(body or b"{}")
+    except ValueError as exc:
+        raise InvalidInput(f"telemetry body is not JSON ({exc}); send a JSON object") from exc
+    return TelemetryResponse()
+
+
+@router.get("/get_server_capabilities", response_model=ServerCapabilities)
+def get_server_capabilities(_: CurrentPrincipal, state: State) -> ServerCapabilities:
+    return ServerCapabilities(
+        supported_models=[SupportedModel(model_name=name) for name in state.settings.models]
+    )
+
+
+@router.get("/healthz", response_model=HealthResponse)
+def healthz() -> HealthResponse:
+    return HealthResponse()

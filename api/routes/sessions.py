@@ -1,0 +1,123 @@
+"""Session lifecycle endpoints of the Tinker protocol, plus session listing."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel
+
+from api.deps import CurrentPrincipal, DbSession, State
+from core import sessions
+from treadle.types import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    FinishSessionRequest,
+    FinishSessionResponse,
+    SessionHeartbeatRequest,
+    SessionHeartbeatResponse,
+)
+
+router = APIRouter(prefix="/api/v1", tags=["sessions"])
+
+
+class ListSessionsResponse(BaseModel):
+    sessions: list[str]
+
+
+class GetSessionResponse(BaseModel):
+    session_id: str
+    status: str
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, object] | None = None
+    display_name: str | None = None
+    tags: list[str]
+
+
+@router.post(
+    "/create_session", response_model=CreateSessionResponse, response_model_exclude_none=True
+)
+def create_session(
+    body: CreateSessionRequest, principal: CurrentPrincipal, state: State
+) -> CreateSessionResponse:
+    session = sessions.create_session(
+        state.database,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        api_key_id=principal.key_id,
+        ttl_seconds=state.settings.session_ttl_seconds,
+        tags=body.tags,
+        user_metadata=body.user_metadata,
+        sdk_version=body.sdk_version,
+        project_id=body.project_id,
+        display_name=body.display_name,
+    )
+    return CreateSessionResponse(session_id=session.id)
+
+
+@router.post("/session_heartbeat", response_model=SessionHeartbeatResponse)
+def session_heartbeat(
+    body: SessionHeartbeatRequest, principal: CurrentPrincipal, state: State
+) -> SessionHeartbeatResponse:
+    sessions.heartbeat(
+        state.database,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=body.session_id,
+        ttl_seconds=state.settings.session_ttl_seconds,
+    )
+    return SessionHeartbeatResponse()
+
+
+@router.post("/sessions/{session_id}/finish", response_model=FinishSessionResponse)
+def finish_session(
+    session_id: str, body: FinishSessionRequest, principal: CurrentPrincipal, state: State
+) -> FinishSessionResponse:
+    session = sessions.finish(
+        state.database,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=session_id,
+        reason=body.reason.type,
+        detail=body.detail,
+        ttl_seconds=state.settings.session_ttl_seconds,
+    )
+    return FinishSessionResponse(session_id=session.id, status=session.status)
+
+
+@router.get("/sessions", response_model=ListSessionsResponse)
+def list_sessions(
+    principal: CurrentPrincipal,
+    db: DbSession,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+    access_scope: str | None = None,
+) -> ListSessionsResponse:
+    rows = sessions.list_sessions(db, tenant_id=principal.tenant_id, limit=limit, offset=offset)
+    return ListSessionsResponse(sessions=[row.id for row in rows])
+
+
+@router.get("/sessions/{session_id}", response_model=GetSessionResponse)
+def get_session(
+    session_id: str,
+    principal: CurrentPrincipal,
+    db: DbSession,
+    state: State,
+    access_scope: str | None = None,
+) -> GetSessionResponse:
+    session = sessions.get_session(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=session_id,
+        ttl_seconds=state.settings.session_ttl_seconds,
+    )
+    run_ids, sampler_ids = sessions.children(db, session.id)
+    return GetSessionResponse(
+        session_id=session.id,
+        status=session.status,
+        training_run_ids=run_ids,
+        sampler_ids=sampler_ids,
+        user_metadata=session.user_metadata,
+        display_name=session.display_name,
+        tags=session.tags,
+    )

@@ -1,0 +1,129 @@
+"""API keys: issue, authenticate, revoke.
+
+A key reads `tml-<key id>-<secret>`. The `tml-` prefix is what the tinker SDK insists on; the key
+id is public and indexes the row; the secret is stored only as HMAC-SHA256 under the server
+secret, so a leaked database does not leak usable keys. The plain key exists once, in the return
+value of `issue_api_key`; nothing here logs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import re
+import secrets
+from datetime import timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session as OrmSession
+
+from core.clock import Clock
+from core.errors import AuthenticationFailed, InvalidInput, NotFound, PermissionDenied
+from core.tables import ApiKey, Tenant
+
+KEY_PREFIX = "tml-"
+SCOPES = ("tenant", "admin")
+_KEY_RE = re.compile(r"^tml-([0-9a-f]{12})-([A-Za-z0-9_-]{32,128})$")
+# Touch last_used_at at most this often, so authentication is not a write on every request.
+_LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """Who is calling: resolved from an API key."""
+
+    tenant_id: str
+    key_id: str
+    scope: str
+
+    @property
+    def is_admin(self) -> bool:
+        return self.scope == "admin"
+
+
+def _hash_secret(server_secret: bytes, secret: str) -> str:
+    return hmac.new(server_secret, secret.encode(), hashlib.sha256).hexdigest()
+
+
+def issue_api_key(
+    db: OrmSession, clock: Clock, server_secret: bytes, tenant: Tenant, *, name: str, scope: str
+) -> tuple[ApiKey, str]:
+    """Create a key and return it with its plain text, which is never stored or shown again."""
+    if scope not in SCOPES:
+        raise InvalidInput(f"scope {scope!r} is unknown; use one of {', '.join(SCOPES)}")
+    key_id = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(32)
+    row = ApiKey(
+        id=key_id,
+        tenant_id=tenant.id,
+        name=name or "unnamed",
+        scope=scope,
+        secret_hash=_hash_secret(server_secret, secret),
+        created_at=clock.now(),
+    )
+    db.add(row)
+    db.flush()
+    return row, f"{KEY_PREFIX}{key_id}-{secret}"
+
+
+def authenticate(
+    db: OrmSession, clock: Clock, server_secret: bytes, raw_key: str | None
+) -> Principal:
+    if not raw_key:
+        raise AuthenticationFailed("missing API key; send it in the X-API-Key header")
+    match = _KEY_RE.match(raw_key.strip())
+    if match is None:
+        raise AuthenticationFailed(
+            "malformed API key; a Treadle key looks like tml-<12 hex>-<secret>, as printed by "
+            "`treadle-server admin keys create`"
+        )
+    key_id, secret = match.groups()
+    row = db.get(ApiKey, key_id)
+    # Compare even when the row is missing so timing does not reveal which key ids exist.
+    expected = row.secret_hash if row is not None else "0" * 64
+    valid = hmac.compare_digest(expected, _hash_secret(server_secret, secret))
+    if row is None or not valid:
+        raise AuthenticationFailed(
+            "unknown API key; check the key or ask the operator for a new one"
+        )
+    if row.revoked_at is not None:
+        raise AuthenticationFailed("this API key was revoked; ask the operator for a new one")
+    tenant = db.get(Tenant, row.tenant_id)
+    if tenant is None or tenant.disabled:
+        raise PermissionDenied("this tenant is disabled; contact the operator")
+    now = clock.now()
+    if row.last_used_at is None or now - row.last_used_at >= _LAST_USED_RESOLUTION:
+        row.last_used_at = now
+    return Principal(tenant_id=row.tenant_id, key_id=row.id, scope=row.scope)
+
+
+def revoke_api_key(db: OrmSession, clock: Clock, key_id: str) -> ApiKey:
+    row = db.get(ApiKey, key_id)
+    if row is None:
+        raise NotFound(
+            f"no API key with id {key_id!r}; list keys with `treadle-server admin keys list`"
+        )
+    if row.revoked_at is None:
+        row.revoked_at = clock.now()
+    return row
+
+
+def list_api_keys(db: OrmSession, tenant_id: str | None = None) -> list[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.created_at)
+    if tenant_id is not None:
+        query = query.where(ApiKey.tenant_id == tenant_id)
+    return list(db.scalars(query))
+
+
+def is_key_usable(db: OrmSession, server_secret: bytes, raw_key: str) -> bool:
+    """True when `raw_key` would authenticate (used to reuse the embedded default key)."""
+    match = _KEY_RE.match(raw_key.strip())
+    if match is None:
+        return False
+    row = db.get(ApiKey, match.group(1))
+    return (
+        row is not None
+        and row.revoked_at is None
+        and hmac.compare_digest(row.secret_hash, _hash_secret(server_secret, match.group(2)))
+    )

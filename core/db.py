@@ -1,0 +1,98 @@
+"""Database engine and sessions, for PostgreSQL (production) and SQLite (embedded mode).
+
+The schema is owned by Alembic (`migrations/`); this module never creates tables. It offers
+`Database.transaction()` for work that writes and `Database.reader()` for work that only reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+_SQLITE_BEGIN = "treadle_sqlite_begin"
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            **kwargs,
+        )
+        _configure_sqlite(engine)
+        return engine
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 40)
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, **kwargs)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    # pysqlite's own transaction handling defers BEGIN and cannot take a write lock up front,
+    # so SQLAlchemy's documented recipe takes over: autocommit at the driver, explicit BEGIN.
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        mode = conn.get_execution_options().get(_SQLITE_BEGIN, "DEFERRED")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+class Database:
+    def __init__(self, url: str, **engine_kwargs: Any) -> None:
+        self.url = url
+        self.engine = make_engine(url, **engine_kwargs)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A session whose transaction commits on success and rolls back on error.
+
+        On SQLite the write lock is taken at BEGIN: a deferred transaction that reads and then
+        writes fails with "database is locked" when another writer got in between, whatever the
+        busy timeout. On PostgreSQL callers lock the rows they depend on (`FOR UPDATE`).
+        """
+        with self._begin("IMMEDIATE") as session:
+            yield session
+
+    @contextmanager
+    def reader(self) -> Iterator[Session]:
+        """A read-only transaction; never blocks writers (WAL on SQLite, MVCC on PostgreSQL)."""
+        with self._begin("DEFERRED") as session:
+            yield session
+
+    @contextmanager
+    def _begin(self, sqlite_mode: str) -> Iterator[Session]:
+        with self._sessions() as session:
+            if self.is_sqlite:
+                # Acquiring the connection autobegins the transaction with these options.
+                session.connection(execution_options={_SQLITE_BEGIN: sqlite_mode})
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+
+    def has_table(self, name: str) -> bool:
+        return inspect(self.engine).has_table(name)
+
+    def dispose(self) -> None:
+        self.engine.dispose()

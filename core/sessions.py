@@ -1,0 +1,223 @@
+"""Client sessions: create under the tenant's concurrency quota, heartbeat, finish, expire.
+
+A session is *open* while its status is `active` and it has heartbeated within the TTL. Expiry
+is applied lazily wherever a session is read (so quotas never depend on a timer having run) and
+by a periodic sweep (so expired sessions' runs get unloaded). Unloading is the scheduler's job:
+this module only reports which sessions ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session as OrmSession
+
+from core.clock import Clock
+from core.db import Database
+from core.errors import NotFound, QuotaExceeded, SessionExpired
+from core.ids import new_session_id
+from core.tables import SamplingSession, Session, Tenant, TrainingRun
+
+ACTIVE, FINISHED, EXPIRED = "active", "finished", "expired"
+
+
+def _stale_before(clock: Clock, ttl_seconds: float) -> datetime:
+    return clock.now() - timedelta(seconds=ttl_seconds)
+
+
+def _expire_stale(
+    db: OrmSession, clock: Clock, ttl_seconds: float, tenant_id: str | None
+) -> list[str]:
+    query = select(Session.id).where(
+        Session.status == ACTIVE, Session.last_heartbeat_at < _stale_before(clock, ttl_seconds)
+    )
+    if tenant_id is not None:
+        query = query.where(Session.tenant_id == tenant_id)
+    ids = list(db.scalars(query))
+    if ids:
+        db.execute(
+            update(Session)
+            .where(Session.id.in_(ids), Session.status == ACTIVE)
+            .values(status=EXPIRED, ended_at=clock.now(), end_reason="heartbeat_timeout")
+        )
+    return ids
+
+
+def create_session(
+    database: Database,
+    clock: Clock,
+    *,
+    tenant_id: str,
+    api_key_id: str | None,
+    ttl_seconds: float,
+    tags: Sequence[str] = (),
+    user_metadata: dict[str, Any] | None = None,
+    sdk_version: str | None = None,
+    project_id: str | None = None,
+    display_name: str | None = None,
+) -> Session:
+    """Open a session if the tenant is under its concurrent-session limit.
+
+    The check and the insert are one serialised transaction (tenant row lock on PostgreSQL,
+    an immediate write lock on SQLite), so concurrent calls can never overshoot the limit.
+    """
+    with database.transaction() as db:
+        tenant = db.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update())
+        if tenant is None:
+            raise NotFound("tenant not found")
+        _expire_stale(db, clock, ttl_seconds, tenant_id)
+        open_count = (
+            db.scalar(
+                select(func.count())
+                .select_from(Session)
+                .where(Session.tenant_id == tenant_id, Session.status == ACTIVE)
+            )
+            or 0
+        )
+        if open_count >= tenant.max_concurrent_sessions:
+            raise QuotaExceeded(
+                f"concurrent session limit reached: tenant {tenant.name!r} allows "
+                f"{tenant.max_concurrent_sessions} open sessions and {open_count} are open; "
+                "finish one (ServiceClient.close() or POST /api/v1/sessions/{id}/finish), let an "
+                f"idle one expire ({int(ttl_seconds)} s without heartbeat), or ask the operator to "
+                "raise max_concurrent_sessions"
+            )
+        now = clock.now()
+        session = Session(
+            id=new_session_id(),
+            tenant_id=tenant_id,
+            api_key_id=api_key_id,
+            status=ACTIVE,
+            tags=list(tags),
+            user_metadata=user_metadata,
+            sdk_version=sdk_version,
+            project_id=project_id,
+            display_name=display_name,
+            created_at=now,
+            last_heartbeat_at=now,
+        )
+        db.add(session)
+        return session
+
+
+def _owned(db: OrmSession, tenant_id: str, session_id: str) -> Session:
+    session = db.scalar(
+        select(Session).where(Session.id == session_id, Session.tenant_id == tenant_id)
+    )
+    if session is None:
+        raise NotFound(f"session {session_id!r} not found; create one with create_session")
+    return session
+
+
+def _refresh_expiry(session: Session, clock: Clock, ttl_seconds: float) -> None:
+    if session.status == ACTIVE and session.last_heartbeat_at < _stale_before(clock, ttl_seconds):
+        session.status = EXPIRED
+        session.ended_at = clock.now()
+        session.end_reason = "heartbeat_timeout"
+
+
+def _ended_message(session: Session) -> str:
+    how = "finished" if session.status == FINISHED else "expired after missing heartbeats"
+    return f"session {session.id!r} has {how}; start a new session (a new ServiceClient)"
+
+
+def heartbeat(
+    database: Database, clock: Clock, *, tenant_id: str, session_id: str, ttl_seconds: float
+) -> Session:
+    with database.transaction() as db:
+        session = _owned(db, tenant_id, session_id)
+        _refresh_expiry(session, clock, ttl_seconds)
+        if session.status != ACTIVE:
+            ended = SessionExpired(_ended_message(session))
+        else:
+            session.last_heartbeat_at = clock.now()
+            return session
+    raise ended  # outside the transaction, so a lazy expiry above is committed
+
+
+def require_active(
+    db: OrmSession, clock: Clock, *, tenant_id: str, session_id: str, ttl_seconds: float
+) -> Session:
+    """The session if it is open; ended and foreign sessions look alike (404)."""
+    session = _owned(db, tenant_id, session_id)
+    _refresh_expiry(session, clock, ttl_seconds)
+    if session.status != ACTIVE:
+        raise NotFound(_ended_message(session))
+    return session
+
+
+def finish(
+    database: Database,
+    clock: Clock,
+    *,
+    tenant_id: str,
+    session_id: str,
+    reason: str,
+    detail: str | None,
+    ttl_seconds: float,
+) -> Session:
+    """End a session. Finishing an ended session is a no-op that keeps the first reason."""
+    with database.transaction() as db:
+        session = _owned(db, tenant_id, session_id)
+        _refresh_expiry(session, clock, ttl_seconds)
+        if session.status == ACTIVE:
+            session.status = FINISHED
+            session.ended_at = clock.now()
+            session.end_reason = reason
+            session.end_detail = detail
+        return session
+
+
+def expire_idle(database: Database, clock: Clock, ttl_seconds: float) -> list[str]:
+    """Expire every session silent past the TTL; returns their ids for the caller to clean up."""
+    with database.transaction() as db:
+        return _expire_stale(db, clock, ttl_seconds, tenant_id=None)
+
+
+def get_session(
+    db: OrmSession, clock: Clock, *, tenant_id: str, session_id: str, ttl_seconds: float
+) -> Session:
+    session = _owned(db, tenant_id, session_id)
+    _refresh_expiry(session, clock, ttl_seconds)
+    return session
+
+
+def list_sessions(db: OrmSession, *, tenant_id: str, limit: int, offset: int) -> list[Session]:
+    return list(
+        db.scalars(
+            select(Session)
+            .where(Session.tenant_id == tenant_id)
+            .order_by(Session.created_at.desc(), Session.id)
+            .limit(limit)
+            .offset(offset)
+        )
+    )
+
+
+def count_open(db: OrmSession, tenant_id: str) -> int:
+    return (
+        db.scalar(
+            select(func.count())
+            .select_from(Session)
+            .where(Session.tenant_id == tenant_id, Session.status == ACTIVE)
+        )
+        or 0
+    )
+
+
+def children(db: OrmSession, session_id: str) -> tuple[list[str], list[str]]:
+    """Ids of the training runs and sampling sessions created in a session."""
+    runs = db.scalars(
+        select(TrainingRun.id)
+        .where(TrainingRun.session_id == session_id)
+        .order_by(TrainingRun.model_seq_id)
+    )
+    samplers = db.scalars(
+        select(SamplingSession.id)
+        .where(SamplingSession.session_id == session_id)
+        .order_by(SamplingSession.sampling_session_seq_id)
+    )
+    return list(runs), list(samplers)

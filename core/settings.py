@@ -1,0 +1,116 @@
+"""Settings for every Treadle process, read from `TREADLE_*` environment variables.
+
+With no settings at all Treadle runs in *embedded mode*: a SQLite file and an artifact folder
+under the per-user data directory, an in-process dispatcher, one engine thread. Setting
+`TREADLE_REDIS_URL` switches to *distributed mode* (separate api, worker and beat processes),
+which also requires a PostgreSQL `TREADLE_DATABASE_URL` and an explicit `TREADLE_SERVER_SECRET`.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import secrets
+from pathlib import Path
+
+import platformdirs
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.errors import ConfigurationError
+
+# Built-in models served when the operator configures none (tiny, CPU-friendly).
+DEFAULT_MODELS = ("treadle/tiny-1m", "treadle/tiny-10m")
+
+
+class Mode(enum.StrEnum):
+    EMBEDDED = "embedded"
+    DISTRIBUTED = "distributed"
+
+
+def default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("treadle", appauthor=False))
+
+
+class Settings(BaseSettings):
+    """One settings class for all process kinds; each process reads the fields it needs."""
+
+    model_config = SettingsConfigDict(env_prefix="TREADLE_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    database_url: str | None = None
+    redis_url: str | None = None
+    artifact_url: str | None = None
+    server_secret: SecretStr | None = None
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str | None = None
+
+    session_ttl_seconds: float = 300.0
+    expiry_sweep_seconds: float = 15.0
+    long_poll_seconds: float = 25.0
+    max_request_bytes: int = 64 * 1024 * 1024
+    telemetry_max_bytes: int = 1024 * 1024
+    telemetry_per_minute: int = 120
+
+    models: list[str] = Field(default_factory=lambda: list(DEFAULT_MODELS))
+    default_max_concurrent_sessions: int = 4
+    default_max_lora_rank: int = 64
+    torch_threads: int = 1
+
+    @field_validator("database_url")
+    @classmethod
+    def _supported_database(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        if not (url.startswith("postgresql+psycopg://") or url.startswith("sqlite")):
+            raise ValueError(
+                f"TREADLE_DATABASE_URL {url.split('@')[-1]!r} is not supported; use "
+                "postgresql+psycopg://user@host/db (or leave it unset for embedded SQLite)"
+            )
+        return url
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.DISTRIBUTED if self.redis_url else Mode.EMBEDDED
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.data_dir / 'treadle.db'}"
+
+    @property
+    def resolved_artifact_url(self) -> str:
+        return self.artifact_url or str(self.data_dir / "artifacts")
+
+    def ensure_data_dir(self) -> Path:
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return self.data_dir
+
+    def secret_bytes(self) -> bytes:
+        """The key for hashing API keys and signing URLs.
+
+        Embedded mode keeps a generated secret in the data directory; distributed mode refuses
+        to run without an explicit one, so replicas cannot disagree.
+        """
+        if self.server_secret is not None:
+            value = self.server_secret.get_secret_value()
+            if len(value) < 16 or value.lower() in {"changeme", "secret", "treadle"}:
+                raise ConfigurationError(
+                    "TREADLE_SERVER_SECRET is too weak; set it to at least 16 random characters, "
+                    "e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`"
+                )
+            return value.encode()
+        if self.mode is Mode.DISTRIBUTED:
+            raise ConfigurationError(
+                "distributed mode needs TREADLE_SERVER_SECRET, shared by every api, worker and "
+                "beat process; set it to a long random string"
+            )
+        path = self.ensure_data_dir() / "server-secret"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        return path.read_text().strip().encode()

@@ -1,0 +1,258 @@
+"""ORM tables of the control plane (DESIGN §4). Billing's tables live in `billing.tables`.
+
+Conventions: string primary keys chosen by the application, timezone-aware UTC timestamps,
+money in integer micro-units, JSON for free-form metadata. Every tenant-owned row carries
+`tenant_id` so each query made for a tenant can be scoped by it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Stores aware datetimes as UTC and always returns them aware (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column; use an aware datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[str]: JSON}  # noqa: RUF012
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    max_concurrent_sessions: Mapped[int] = mapped_column(Integer)
+    max_lora_rank: Mapped[int] = mapped_column(Integer)
+    spend_limit_micros: Mapped[int | None] = mapped_column(BigInteger)
+    stripe_customer_id: Mapped[str | None] = mapped_column(String(100))
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # the public key id
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    scope: Mapped[str] = mapped_column(String(16))  # "tenant" | "admin"
+    secret_hash: Mapped[str] = mapped_column(String(64))  # HMAC-SHA256 hex of the secret part
+    created_at: Mapped[datetime]
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class Session(Base):
+    __tablename__ = "sessions"
+    __table_args__ = (Index("ix_sessions_tenant_status", "tenant_id", "status"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    status: Mapped[str] = mapped_column(String(16))  # active | finished | expired
+    tags: Mapped[list[str]] = mapped_column(default=list)
+    user_metadata: Mapped[dict[str, Any] | None]
+    sdk_version: Mapped[str | None] = mapped_column(String(64))
+    project_id: Mapped[str | None] = mapped_column(String(200))
+    display_name: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+    last_heartbeat_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+    end_reason: Mapped[str | None] = mapped_column(String(32))
+    end_detail: Mapped[str | None] = mapped_column(Text)
+
+
+class TrainingRun(Base):
+    """A LoRA training run (Tinker's "model"); id is `{session_id}:train:{model_seq_id}`."""
+
+    __tablename__ = "training_runs"
+    __table_args__ = (UniqueConstraint("session_id", "model_seq_id"),)
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"))
+    model_seq_id: Mapped[int] = mapped_column(Integer)
+    base_model: Mapped[str] = mapped_column(String(200))
+    lora_rank: Mapped[int] = mapped_column(Integer)
+    lora_config: Mapped[dict[str, Any]]
+    user_metadata: Mapped[dict[str, Any] | None]
+    status: Mapped[str] = mapped_column(String(16))  # active | unloaded | failed
+    corrupted: Mapped[bool] = mapped_column(Boolean, default=False)
+    worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))
+    # Highest seq_id executed, and the last snapshot replay can start from.
+    executed_seq_id: Mapped[int] = mapped_column(BigInteger, default=0)
+    snapshot_seq_id: Mapped[int | None] = mapped_column(BigInteger)
+    snapshot_uri: Mapped[str | None] = mapped_column(Text)
+    optim_steps: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime]
+    last_request_at: Mapped[datetime]
+
+
+class SamplingSession(Base):
+    __tablename__ = "sampling_sessions"
+    __table_args__ = (UniqueConstraint("session_id", "sampling_session_seq_id"),)
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"))
+    sampling_session_seq_id: Mapped[int] = mapped_column(BigInteger)
+    base_model: Mapped[str] = mapped_column(String(200))
+    model_path: Mapped[str | None] = mapped_column(Text)
+    training_run_id: Mapped[str | None] = mapped_column(ForeignKey("training_runs.id"))
+    worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))
+    created_at: Mapped[datetime]
+
+
+class Operation(Base):
+    """The op log and the futures table in one (DESIGN §4, §5)."""
+
+    __tablename__ = "operations"
+    __table_args__ = (
+        UniqueConstraint("target_id", "seq_id"),
+        Index("ix_operations_status_target", "status", "target_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the request_id
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    target_id: Mapped[str] = mapped_column(String(128))  # training run or sampling session
+    seq_id: Mapped[int | None] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # queued | running | done | failed
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    payload_codec: Mapped[str] = mapped_column(String(16))  # e.g. "json+zstd"
+    result: Mapped[bytes | None] = mapped_column(LargeBinary)
+    result_codec: Mapped[str | None] = mapped_column(String(32))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    error_category: Mapped[str | None] = mapped_column(String(16))  # user | server
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class ModelPackage(Base):
+    """A named family of model versions (e.g. every checkpoint of one training run)."""
+
+    __tablename__ = "model_packages"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    base_model: Mapped[str] = mapped_column(String(200))
+    training_run_id: Mapped[str | None] = mapped_column(ForeignKey("training_runs.id"))
+    created_at: Mapped[datetime]
+
+
+class ModelVersion(Base):
+    """An immutable saved artifact: a checkpoint, sampler weights or an export."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("package_id", "version"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    package_id: Mapped[str] = mapped_column(ForeignKey("model_packages.id"))
+    version: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # training | sampler | external | merged
+    tinker_path: Mapped[str | None] = mapped_column(String(512), unique=True)
+    training_run_id: Mapped[str | None] = mapped_column(ForeignKey("training_runs.id"))
+    step: Mapped[int | None] = mapped_column(Integer)
+    parent_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    lora_config: Mapped[dict[str, Any] | None]
+    user_metadata: Mapped[dict[str, Any] | None]
+    artifact_uri: Mapped[str | None] = mapped_column(Text)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))  # pending | ready | failed | deleted
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    expires_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+
+
+class ModelAlias(Base):
+    __tablename__ = "model_aliases"
+    __table_args__ = (UniqueConstraint("package_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    package_id: Mapped[str] = mapped_column(ForeignKey("model_packages.id"))
+    name: Mapped[str] = mapped_column(String(100))
+    version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id"))
+    updated_at: Mapped[datetime]
+
+
+class Worker(Base):
+    """A GPU worker process; its lease is its liveness."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(200))
+    device: Mapped[str] = mapped_column(String(32))
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    models: Mapped[list[str]] = mapped_column(default=list)
+    capacity_runs: Mapped[int] = mapped_column(Integer)
+    capacity_tokens: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16))  # live | draining | dead
+    lease_expires_at: Mapped[datetime]
+    registered_at: Mapped[datetime]
+
+
+class AuditLog(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id"), index=True)
+    actor: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str | None] = mapped_column(String(200))
+    detail: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime]

@@ -1,0 +1,1 @@
+"""Alembic environment and revisions for Treadle's schema (core and billing tables)."""

@@ -1,0 +1,159 @@
+"""The `treadle-server` command as an operator runs it: serve, migrate, admin; no key leaks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.services import free_port
+
+pytestmark = pytest.mark.e2e
+
+CLI = str(Path(sys.executable).with_name("treadle-server"))
+KEY_RE = re.compile(r"tml-[0-9a-f]{12}-[A-Za-z0-9_-]{32,}")
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
+    env.update(TREADLE_DATA_DIR=str(tmp_path / "data"), COLUMNS="200", **extra)
+    return env
+
+
+def _run(tmp_path: Path, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CLI, *args], env=_env(tmp_path, **extra), capture_output=True, text=True, timeout=120
+    )
+
+
+def test_serve_prints_where_it_listens_and_a_working_key(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [CLI, "serve", "--port", str(port)],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 90
+        while not any("Application startup complete" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        output = "".join(lines)
+        assert f"http://127.0.0.1:{port}" in output
+        match = KEY_RE.search(output)
+        assert match, output
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/api/v1/create_session",
+            json={},
+            headers={"X-API-Key": match.group(0)},
+        )
+        assert response.status_code == 200, response.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    key_file = tmp_path / "data" / "default-api-key"
+    assert key_file.stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert key_file.read_text().strip() == match.group(0)
+
+
+def test_admin_commands_manage_tenants_and_keys(tmp_path: Path) -> None:
+    assert _run(tmp_path, "migrate").returncode == 0
+    created = _run(
+        tmp_path,
+        "admin",
+        "tenants",
+        "create",
+        "acme",
+        "--max-sessions",
+        "3",
+        "--max-lora-rank",
+        "32",
+        "--spend-limit",
+        "12.5",
+    )
+    assert created.returncode == 0, created.stderr
+    duplicate = _run(tmp_path, "admin", "tenants", "create", "acme")
+    assert duplicate.returncode == 2
+    assert "already exists" in duplicate.stderr
+
+    key_run = _run(tmp_path, "admin", "keys", "create", "acme", "--name", "laptop")
+    assert key_run.returncode == 0, key_run.stderr
+    key = key_run.stdout.strip()
+    assert KEY_RE.fullmatch(key)
+    key_id = key.split("-")[1]
+
+    listing = _run(tmp_path, "admin", "keys", "list").stdout
+    assert key_id in listing and "laptop" in listing
+    assert key.split("-", 2)[2] not in listing  # the secret is never shown again
+    tenants = _run(tmp_path, "admin", "tenants", "list").stdout
+    assert "acme" in tenants and "12.50" in tenants
+
+    assert (
+        _run(tmp_path, "admin", "tenants", "update", "acme", "--max-sessions", "5").returncode == 0
+    )
+    assert _run(tmp_path, "admin", "keys", "revoke", key_id).returncode == 0
+    assert re.search(
+        rf"{key_id}.*\d{{4}}-\d\d-\d\dT", _run(tmp_path, "admin", "keys", "list").stdout
+    )
+    missing = _run(tmp_path, "admin", "keys", "revoke", "000000000000")
+    assert missing.returncode == 2 and "no API key" in missing.stderr
+    bad_scope = _run(tmp_path, "admin", "keys", "create", "acme", "--scope", "root")
+    assert bad_scope.returncode == 2 and "tenant, admin" in bad_scope.stderr
+
+
+def test_distributed_mode_requires_an_explicit_secret(tmp_path: Path) -> None:
+    distributed = {
+        "TREADLE_REDIS_URL": "redis://127.0.0.1:1",
+        "TREADLE_DATABASE_URL": f"sqlite:///{tmp_path / 'd.db'}",
+    }
+    assert _run(tmp_path, "migrate", **distributed).returncode == 0
+    result = _run(tmp_path, "admin", "keys", "create", "x", **distributed)
+    assert result.returncode == 2
+    assert "needs TREADLE_SERVER_SECRET" in result.stderr
+    weak = _run(
+        tmp_path, "admin", "keys", "create", "x", TREADLE_SERVER_SECRET="changeme", **distributed
+    )
+    assert "too weak" in weak.stderr
+
+
+def test_key_material_never_reaches_logs_or_the_database(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from tests.conftest import make_settings, tenant_factory
+
+    caplog.set_level(logging.DEBUG)
+    db_path = tmp_path / "keys.db"
+    settings = make_settings(tmp_path, f"sqlite:///{db_path}").model_copy(
+        update={"database_url": None, "data_dir": tmp_path}
+    )
+    app = create_app(settings)
+    tenant = tenant_factory(app.state.treadle.database, settings)()
+    with TestClient(app) as client:
+        headers = {"X-API-Key": tenant.key}
+        session_id = client.post("/api/v1/create_session", json={}, headers=headers).json()[
+            "session_id"
+        ]
+        client.post("/api/v1/session_heartbeat", json={"session_id": session_id}, headers=headers)
+        client.post("/api/v1/create_session", json={"bogus": 1}, headers=headers)
+        client.post("/api/v1/create_session", json={}, headers={"X-API-Key": tenant.key + "x"})
+    app.state.treadle.database.dispose()
+    secret = tenant.key.split("-", 2)[2]
+    for needle in (tenant.key, secret):
+        assert needle not in caplog.text
+        for path in tmp_path.glob("treadle.db*"):  # the database file, WAL included
+            assert needle.encode() not in path.read_bytes(), path
