@@ -190,3 +190,35 @@ def test_encoded_text_chunk_json() -> None:
         "tokens": [1],
         "type": "encoded_text",
     }
+
+
+def test_every_model_has_a_json_schema() -> None:
+    # The server exposes these through FastAPI's OpenAPI document.
+    import inspect
+
+    from pydantic import BaseModel
+
+    import treadle.types as types
+
+    models = [
+        v
+        for n in types.__all__
+        if inspect.isclass(v := getattr(types, n)) and issubclass(v, BaseModel)
+    ]
+    assert len(models) > 100
+    for model in models:
+        for mode in ("validation", "serialization"):
+            schema = model.model_json_schema(mode=mode)
+            assert "properties" in schema or "$defs" in schema or schema.get("type") == "object"
+    flags = types.ClientConfigResponse.model_json_schema(mode="serialization")["properties"]
+    assert "use_pyqwest_transport" in flags
+
+
+def test_client_config_omits_unset_flags() -> None:
+    from treadle.types import ClientConfigResponse, ClientDynamicConfigResponse
+
+    assert ClientConfigResponse().model_dump(mode="json") == {}
+    assert ClientConfigResponse(proto_compress_fwdbwd=True).model_dump() == {
+        "proto_compress_fwdbwd": True
+    }
+    assert ClientDynamicConfigResponse().model_dump(mode="json") == {}

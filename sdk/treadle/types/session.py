@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field
 
 from treadle.types._base import WireRequest, WireResponse
 
@@ -11,53 +11,45 @@ class ClientConfigRequest(WireRequest):
     sdk_version: str | None = None
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+# The tinker SDK declares these flags non-nullable with defaults, so an explicit null fails its
+# strict validation: a flag left at None is dropped from the JSON however the model is dumped.
+def _flag() -> Any:
+    return Field(default=None, exclude_if=_is_none)
+
+
 class ClientConfigResponse(WireResponse):
     """Server-driven client flags (the tinker SDK reads these at start-up).
 
     Fields left at None are omitted from the JSON, so the client keeps its own default.
     """
 
-    pjwt_auth_enabled: bool | None = None
-    use_pyqwest_transport: bool | None = None
-    parallel_fwdbwd_chunks: bool | None = None
-    fwdbwd_max_chunk_len: int | None = None
-    fwdbwd_max_chunk_bytes_count: int | None = None
-    proto_compress_fwdbwd: bool | None = None
-    sample_max_concurrent_requests: int | None = None
-    sample_use_retrieve_futures: bool | None = None
-    sample_join_sampling_session: bool | None = None
-    custom_loss_server_side: bool | None = None
-    billing_exception_max_pause_duration_sec: float | None = None
-    credential_default_source: str | None = None
-    sample_dispatch_bytes_semaphore_size: int | None = None
-    inflight_response_bytes_semaphore_size: int | None = None
-    fwdbwd_dispatch_bytes_semaphore_size: int | None = None
-    sample_no_retries: bool | None = None
-    sample_enable_stuck_detection: bool | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_flags(
-        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
-    ) -> dict[str, Any]:
-        return _without_none(handler(self))
+    pjwt_auth_enabled: bool | None = _flag()
+    use_pyqwest_transport: bool | None = _flag()
+    parallel_fwdbwd_chunks: bool | None = _flag()
+    fwdbwd_max_chunk_len: int | None = _flag()
+    fwdbwd_max_chunk_bytes_count: int | None = _flag()
+    proto_compress_fwdbwd: bool | None = _flag()
+    sample_max_concurrent_requests: int | None = _flag()
+    sample_use_retrieve_futures: bool | None = _flag()
+    sample_join_sampling_session: bool | None = _flag()
+    custom_loss_server_side: bool | None = _flag()
+    billing_exception_max_pause_duration_sec: float | None = _flag()
+    credential_default_source: str | None = _flag()
+    sample_dispatch_bytes_semaphore_size: int | None = _flag()
+    inflight_response_bytes_semaphore_size: int | None = _flag()
+    fwdbwd_dispatch_bytes_semaphore_size: int | None = _flag()
+    sample_no_retries: bool | None = _flag()
+    sample_enable_stuck_detection: bool | None = _flag()
 
 
 class ClientDynamicConfigResponse(WireResponse):
-    refresh_interval_sec: float | None = None
-    sample_cancel_enabled: bool | None = None
-    sample_cancel_max_batch_size: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_flags(
-        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
-    ) -> dict[str, Any]:
-        return _without_none(handler(self))
-
-
-def _without_none(data: dict[str, Any]) -> dict[str, Any]:
-    # The tinker SDK declares these flags as non-nullable with defaults: an explicit null
-    # fails its strict validation, so unset flags must be left out of the JSON entirely.
-    return {key: value for key, value in data.items() if value is not None}
+    refresh_interval_sec: float | None = _flag()
+    sample_cancel_enabled: bool | None = _flag()
+    sample_cancel_max_batch_size: int | None = _flag()
 
 
 class CreateSessionRequest(WireRequest):
