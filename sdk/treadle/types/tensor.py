@@ -29,7 +29,7 @@ TensorDtype: TypeAlias = Literal["int64", "float32"]
 def _import_numpy() -> Any:
     try:
         import numpy
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    except ImportError as exc:
         raise ImportError(
             "numpy is needed for TensorData.to_numpy/from_numpy; "
             "install it with `pip install 'treadle[numpy]'`"
