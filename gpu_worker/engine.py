@@ -372,6 +372,18 @@ class Engine:
                                              self.device, self.autocast_dtype)
             return SampleResult([], lp, top, Usage(prefill_tokens=int(prompt.size)))
 
+    def logits(self, run_id: str | None, tokens: list[int], *,
+               base_model: str | None = None) -> np.ndarray:
+        """Raw next-token logits (T, V) for one sequence, for checks and debugging."""
+        with self._lock, torch.no_grad():
+            m, adapter = self._sampler(run_id, base_model)
+            prompt = check_tokens(tokens, m.info.vocab_size, m.info.max_context_length, "tokens")
+            ids = torch.from_numpy(prompt)[None].to(self.device)
+            with sampling.autocast_for(self.device, self.autocast_dtype), \
+                    sampling.lora_groups(m.ctx, [sampling.RowGroup(0, 1, adapter)]):
+                out = m.model(input_ids=ids).logits[0]
+            return out.float().cpu().numpy()
+
     def _sampler(self, run_id: str | None, base_model: str | None
                  ) -> tuple[_Model, LoraAdapter | None]:
         if run_id is not None:

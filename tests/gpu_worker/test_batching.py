@@ -1,0 +1,103 @@
+"""Cross-run batching: runs of ranks 1, 8, 32, 64 in one pass get what they get alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.protocol import Datum, ForwardBackwardOp, LoraSpec, OpError
+from tests.gpu_worker.conftest import TINY, adapter_grads, randomize_adapter, rng_tokens
+
+pytestmark = pytest.mark.unit
+
+RANKS = (1, 8, 32, 64)
+
+
+def ce_data(seed: int, lengths: tuple[int, ...]) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    return [Datum(rng_tokens(rng, n), {"target_tokens": rng_tokens(rng, n),
+                                       "weights": rng.random(n).astype(np.float32)})
+            for n in lengths]
+
+
+def rl_data(seed: int, lengths: tuple[int, ...]) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    return [Datum(rng_tokens(rng, n), {
+        "target_tokens": rng_tokens(rng, n),
+        "logprobs": (-7 + rng.normal(scale=0.3, size=n)).astype(np.float32),
+        "advantages": rng.normal(size=n).astype(np.float32)}) for n in lengths]
+
+
+def make_runs(engine, prefix: str) -> list[str]:
+    ids = []
+    for i, rank in enumerate(RANKS):
+        rid = f"{prefix}-{rank}"
+        engine.create_run(rid, TINY, LoraSpec(rank=rank, seed=i, train_unembed=i % 2 == 0,
+                                               train_mlp=i != 3))
+        randomize_adapter(engine, rid, seed=100 + i)
+        ids.append(rid)
+    return ids
+
+
+def make_ops(ids: list[str]) -> list[ForwardBackwardOp]:
+    ops = []
+    for i, rid in enumerate(ids):
+        if i % 2:
+            ops.append(ForwardBackwardOp(rid, rl_data(i, (5 + i, 17)), "ppo"))
+        else:
+            ops.append(ForwardBackwardOp(rid, ce_data(i, (9, 3 + 4 * i)), "cross_entropy"))
+    return ops
+
+
+def test_mixed_ranks_batched_equal_alone(engine):
+    alone_ids, batch_ids = make_runs(engine, "alone"), make_runs(engine, "batch")
+    try:
+        alone = [engine.forward_backward(op.run_id, op.data, op.loss_fn)
+                 for op in make_ops(alone_ids)]
+        batched = engine.forward_backward_batch(make_ops(batch_ids))
+        for a_id, b_id, a, b in zip(alone_ids, batch_ids, alone, batched, strict=True):
+            assert not isinstance(b, OpError), b
+            assert b.metrics["loss:sum"] == pytest.approx(a.metrics["loss:sum"], rel=1e-5)
+            for out_a, out_b in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True):
+                np.testing.assert_allclose(out_b["logprobs"], out_a["logprobs"], atol=1e-5)
+            ga, gb = adapter_grads(engine, a_id), adapter_grads(engine, b_id)
+            assert ga.keys() == gb.keys()
+            scale = max(float(g.abs().max()) for g in ga.values())
+            for key in ga:
+                torch.testing.assert_close(gb[key], ga[key], atol=1e-5 * max(scale, 1.0),
+                                           rtol=1e-3)
+    finally:
+        for rid in alone_ids + batch_ids:
+            engine.remove_run(rid)
+
+
+def test_bad_datum_in_one_run_does_not_fail_the_others(engine):
+    ids = make_runs(engine, "bad")
+    try:
+        ops = make_ops(ids)
+        bad = ops[1].data[0]
+        bad.loss_fn_inputs["advantages"] = bad.loss_fn_inputs["advantages"][:-1]
+        results = engine.forward_backward_batch([*ops, ForwardBackwardOp("nope", ops[0].data)])
+        assert isinstance(results[1], OpError) and results[1].category == "user"
+        assert "advantages" in results[1].message
+        assert isinstance(results[4], OpError) and "unknown run" in results[4].message
+        for i in (0, 2, 3):
+            assert not isinstance(results[i], OpError)
+        assert all(p.grad is None for p in engine._runs[ids[1]].adapter.parameters())
+    finally:
+        for rid in ids:
+            engine.remove_run(rid)
+
+
+def test_memory_is_base_plus_adapters(engine):
+    base = engine._models[TINY].model
+    base_ptrs = {p.data_ptr() for p in base.parameters()}
+    engine.create_run("mem", TINY, LoraSpec(rank=8))
+    try:
+        adapter = engine._runs["mem"].adapter
+        assert not base_ptrs & {p.data_ptr() for p in adapter.parameters()}
+        assert {p.data_ptr() for p in base.parameters()} == base_ptrs  # no base copy
+        assert engine.run_memory_bytes("mem") == adapter.num_bytes()
+    finally:
+        engine.remove_run("mem")

@@ -1,0 +1,102 @@
+"""Save/load round trips, PEFT-compatible adapter exports and merged Hugging Face exports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.protocol import AdamParams, Datum, LoraSpec
+from tests.gpu_worker.conftest import TINY, rng_tokens
+
+pytestmark = pytest.mark.unit
+
+ADAM = AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
+                  grad_clip_norm=1.0)
+
+
+def batch(seed: int) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    return [Datum(rng_tokens(rng, 16), {"target_tokens": rng_tokens(rng, 16),
+                                        "weights": np.ones(16, np.float32)}) for _ in range(3)]
+
+
+def train(engine, run: str, steps: range) -> list[float]:
+    losses = []
+    for s in steps:
+        losses.append(engine.forward_backward(run, batch(s)).metrics["loss:sum"])
+        engine.optim_step(run, ADAM)
+    return losses
+
+
+def test_save_load_with_optimizer_reproduces_next_step(engine, tmp_path):
+    engine.create_run("ck-a", TINY, LoraSpec(rank=4, seed=3))
+    try:
+        train(engine, "ck-a", range(3))
+        engine.save_state("ck-a", tmp_path / "state", include_optimizer=True)
+        uninterrupted = train(engine, "ck-a", range(3, 5))
+        engine.load_state("ck-b", tmp_path / "state", include_optimizer=True)
+        resumed = train(engine, "ck-b", range(3, 5))
+        np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-6)
+        engine.load_state("ck-c", tmp_path / "state", include_optimizer=False)
+        fresh_moments = train(engine, "ck-c", range(3, 5))
+        assert fresh_moments[1] != pytest.approx(uninterrupted[1], rel=1e-6)
+        assert engine._runs["ck-b"].steps == 5
+    finally:
+        for rid in ("ck-a", "ck-b", "ck-c"):
+            engine.remove_run(rid)
+
+
+def test_exported_adapter_loads_in_peft_with_same_logits(engine, tmp_path):
+    from peft import PeftModel
+
+    engine.create_run("peft-exp", TINY, LoraSpec(rank=8, alpha=16, seed=1))
+    try:
+        train(engine, "peft-exp", range(2))
+        engine.export_adapter("peft-exp", tmp_path / "adapter")
+        assert (tmp_path / "adapter" / "adapter_config.json").exists()
+        assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+        peft_model = PeftModel.from_pretrained(engine.catalog.load_model(TINY),
+                                               str(tmp_path / "adapter")).eval()
+        tokens = list(range(5, 40))
+        with torch.no_grad():
+            want = peft_model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+        got = engine.logits("peft-exp", tokens)
+        base = engine.logits(None, tokens, base_model=TINY)
+        assert np.abs(got - base).max() > 1e-3  # the adapter does something
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    finally:
+        engine.remove_run("peft-exp")
+
+
+def test_merged_export_loads_in_transformers_with_same_logits(engine, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    engine.create_run("merged", TINY, LoraSpec(rank=4, seed=2))
+    try:
+        train(engine, "merged", range(2))
+        engine.export_merged("merged", tmp_path / "merged")
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+        tok = AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
+        assert tok.chat_template
+        tokens = list(range(100, 130))
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+        np.testing.assert_allclose(engine.logits("merged", tokens), want, atol=1e-4)
+    finally:
+        engine.remove_run("merged")
+
+
+def test_load_rejects_a_state_of_another_base_model(engine, tmp_path):
+    from gpu_worker.protocol import UserInputError
+
+    engine.create_run("other-base", "treadle/tiny-qwen-1m", LoraSpec(rank=2))
+    try:
+        engine.save_state("other-base", tmp_path / "q")
+        with pytest.raises(UserInputError, match="trained on"):
+            engine.load_state("x", tmp_path / "q", base_model=TINY)
+        with pytest.raises(UserInputError, match="not a saved training state"):
+            engine.load_state("x", tmp_path / "missing")
+        assert "x" not in engine.run_ids()
+    finally:
+        engine.remove_run("other-base")

@@ -1,0 +1,116 @@
+"""Bad input is rejected with a message that says what to change, and leaves the run untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.protocol import (
+    AdamParams,
+    Datum,
+    LoraSpec,
+    SampleRequest,
+    SamplingParams,
+    UserInputError,
+)
+from tests.gpu_worker.conftest import TINY, VOCAB, rng_tokens
+
+pytestmark = pytest.mark.unit
+
+
+def good(n: int = 6) -> Datum:
+    rng = np.random.default_rng(n)
+    return Datum(rng_tokens(rng, n), {"target_tokens": rng_tokens(rng, n),
+                                      "weights": np.ones(n, np.float32)})
+
+
+def rl(n: int = 6, **override) -> Datum:
+    rng = np.random.default_rng(n)
+    inputs = {"target_tokens": rng_tokens(rng, n), "logprobs": np.full(n, -7.0, np.float32),
+              "advantages": np.ones(n, np.float32)}
+    inputs.update(override)
+    return Datum(rng_tokens(rng, n), inputs)
+
+
+CASES = [
+    ("cross_entropy", None, [Datum([1, 2, VOCAB], {"target_tokens": [1, 2, 3],
+                                                    "weights": np.ones(3)})], "outside"),
+    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2, -1],
+                                                "weights": np.ones(3)})], "outside"),
+    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2],
+                                                "weights": np.ones(3)})], "target_tokens"),
+    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2, 3],
+                                                "weights": np.ones(2)})], "weights"),
+    ("importance_sampling", None, [rl(advantages=np.ones(4, np.float32))], "advantages"),
+    ("ppo", None, [rl(logprobs=np.ones(9, np.float32))], "logprobs"),
+    ("ppo", None, [rl(advantages=np.array([1, np.nan, 1, 1, 1, 1], np.float32))], "finite"),
+    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2, 3],
+                                                "weights": [1.0, np.inf, 1.0]})], "finite"),
+    ("kl_magic", None, [good()], "unknown loss_fn"),
+    ("cross_entropy", None, [Datum([1, 2], {"target_tokens": [1, 2]})], "missing"),
+    ("cross_entropy", None, [Datum([1, 2], {"target_tokens": [1, 2], "weights": [1, 1],
+                                            "mask": [1, 1]})], "not used"),
+    ("gspo", None, [rl()], "sequence_ratio_mask"),
+    ("cross_entropy", None, [Datum(np.zeros(2049, np.int64),
+                                   {"target_tokens": np.zeros(2049, np.int64),
+                                    "weights": np.ones(2049)})], "context length"),
+    ("cross_entropy", None, [], "at least one datum"),
+    ("ppo", {"clip_low": 0.5}, [rl()], "clip_low_threshold"),
+    ("dro", None, [rl()], "beta"),
+    ("stable_reinforce", None, [rl()], "ppo"),
+]
+
+
+def snapshot(engine, run):
+    r = engine._runs[run]
+    params = [p.detach().clone() for p in r.adapter.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for p in r.adapter.parameters()]
+    return params, grads, r.steps
+
+
+def assert_same(a, b):
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    for x, y in zip(a[1], b[1], strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+    assert a[2] == b[2]
+
+
+@pytest.fixture(scope="module")
+def run(engine):
+    engine.create_run("validate", TINY, LoraSpec(rank=4, seed=1))
+    yield "validate"
+    engine.remove_run("validate")
+
+
+@pytest.mark.parametrize(("loss_fn", "config", "data", "needle"), CASES)
+def test_bad_forward_backward_is_rejected_without_side_effects(engine, run, loss_fn, config,
+                                                              data, needle):
+    engine.forward_backward(run, [good()])  # some accumulated gradient to protect
+    before = snapshot(engine, run)
+    with pytest.raises(UserInputError, match=needle):
+        engine.forward_backward(run, data, loss_fn, config)
+    assert_same(before, snapshot(engine, run))
+
+
+def test_rank_above_maximum(engine):
+    with pytest.raises(UserInputError, match="pass rank ≤ 64"):
+        engine.create_run("too-big", TINY, LoraSpec(rank=65))
+    with pytest.raises(UserInputError, match="unknown base model"):
+        engine.create_run("nope", "no/such-model", LoraSpec(rank=1))
+    assert "too-big" not in engine.run_ids() and "nope" not in engine.run_ids()
+
+
+def test_bad_adam_and_sampling_params(engine, run):
+    before = snapshot(engine, run)
+    with pytest.raises(UserInputError, match="learning_rate"):
+        engine.optim_step(run, AdamParams(learning_rate=float("nan")))
+    assert_same(before, snapshot(engine, run))
+    bad = [SamplingParams(max_tokens=0), SamplingParams(top_p=0.0), SamplingParams(top_k=0),
+           SamplingParams(temperature=-1.0), SamplingParams(max_tokens=5000)]
+    for params in bad:
+        with pytest.raises(UserInputError):
+            engine.sample(SampleRequest(prompt=[1, 2], params=params, run_id=run))
+    with pytest.raises(UserInputError, match="vocabulary"):
+        engine.sample(SampleRequest(prompt=[1, VOCAB + 5], run_id=run))
