@@ -14,11 +14,14 @@ from api.deps import AppState
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
 from api.ratelimit import TokenBuckets
-from api.routes import client, sessions
+from api.routes import client, futures, models, sampling, sessions, training, weights
 from core import sessions as session_service
 from core.clock import Clock, SystemClock
 from core.db import Database
+from core.objectstore import LocalArtifactStore
 from core.settings import Settings
+from scheduler.embedded import embedded_dispatcher
+from scheduler.notify import InProcessNotifier
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +39,22 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         settings.ensure_data_dir()
         dbschema.upgrade(database)
     dbschema.require_head(database)
+    notifier = InProcessNotifier()
+    store = LocalArtifactStore(settings.resolved_artifact_url)
     state = AppState(
         settings=settings,
         database=database,
         clock=clock,
         server_secret=settings.secret_bytes(),
         telemetry_limiter=TokenBuckets(settings.telemetry_per_minute),
+        notifier=notifier,
+        dispatcher=embedded_dispatcher(settings, database, clock, notifier, store),
+        store=store,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.dispatcher.start()
         sweeper = asyncio.create_task(_sweep_expired_sessions(state))
         try:
             yield
@@ -53,13 +62,14 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            await asyncio.to_thread(state.dispatcher.stop)
             database.dispose()
 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)
     app.state.treadle = state
     install_error_handlers(app)
-    app.include_router(client.router)
-    app.include_router(sessions.router)
+    for module in (client, sessions, training, weights, sampling, futures, models):
+        app.include_router(module.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     return app
 

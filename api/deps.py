@@ -15,7 +15,10 @@ from core.apikeys import Principal
 from core.clock import Clock
 from core.db import Database
 from core.errors import PermissionDenied
+from core.objectstore import ArtifactStore
 from core.settings import Settings
+from scheduler.dispatch import Dispatcher
+from scheduler.notify import Notifier
 
 
 @dataclasses.dataclass
@@ -27,6 +30,9 @@ class AppState:
     clock: Clock
     server_secret: bytes
     telemetry_limiter: TokenBuckets
+    notifier: Notifier
+    dispatcher: Dispatcher
+    store: ArtifactStore
 
 
 def get_state(request: Request) -> AppState:

@@ -55,9 +55,24 @@ class Settings(BaseSettings):
     telemetry_per_minute: int = 120
 
     models: list[str] = Field(default_factory=lambda: list(DEFAULT_MODELS))
+    # Extra names clients may use for a served model, e.g. {"Qwen/Qwen3-8B": "treadle/tiny-1m"}.
+    model_aliases: dict[str, str] = Field(default_factory=dict)
     default_max_concurrent_sessions: int = 4
     default_max_lora_rank: int = 64
+
+    # The engine (embedded mode and worker processes).
+    device: str = "auto"
+    precision: str = "auto"
     torch_threads: int = 1
+    engine_max_lora_rank: int = 128
+    gap_timeout_seconds: float = 120.0
+    max_queued_samples: int = 2048
+    engine_start_timeout_seconds: float = 120.0
+
+    @property
+    def offered_models(self) -> list[str]:
+        """Every base-model name a client may ask for: served models and their aliases."""
+        return [*self.models, *(a for a in self.model_aliases if a not in self.models)]
 
     @field_validator("database_url")
     @classmethod

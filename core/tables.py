@@ -58,7 +58,12 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[str]: JSON}  # noqa: RUF012
+    type_annotation_map = {
+        datetime: UTCDateTime,
+        dict[str, Any]: JSON,
+        list[str]: JSON,
+        list[dict[str, Any]]: JSON,
+    }  # noqa: RUF012
 
 
 class Tenant(Base):
@@ -144,6 +149,8 @@ class SamplingSession(Base):
     base_model: Mapped[str] = mapped_column(String(200))
     model_path: Mapped[str | None] = mapped_column(Text)
     training_run_id: Mapped[str | None] = mapped_column(ForeignKey("training_runs.id"))
+    # The saved weights it samples from; None samples the base model.
+    model_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
     worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))
     created_at: Mapped[datetime]
 
@@ -238,7 +245,7 @@ class Worker(Base):
     hostname: Mapped[str] = mapped_column(String(200))
     device: Mapped[str] = mapped_column(String(32))
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    models: Mapped[list[str]] = mapped_column(default=list)
+    models: Mapped[list[dict[str, Any]]] = mapped_column(default=list)
     capacity_runs: Mapped[int] = mapped_column(Integer)
     capacity_tokens: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16))  # live | draining | dead

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from api.deps import CurrentPrincipal, State
 from core.errors import InvalidInput, PayloadTooLarge
+from scheduler.models import registered_models
 from treadle.types import (
     ClientConfigRequest,
     ClientConfigResponse,
@@ -57,10 +58,20 @@ async def telemetry(
     return TelemetryResponse()
 
 
-@router.get("/get_server_capabilities", response_model=ServerCapabilities)
+@router.get("/get_server_capabilities", response_model=ServerCapabilities, response_model_exclude_none=True)
 def get_server_capabilities(_: CurrentPrincipal, state: State) -> ServerCapabilities:
+    """The offered base models; context lengths once a worker serving them has registered."""
+    with state.database.reader() as db:
+        registered = registered_models(db)
+    aliases = state.settings.model_aliases
     return ServerCapabilities(
-        supported_models=[SupportedModel(model_name=name) for name in state.settings.models]
+        supported_models=[
+            SupportedModel(
+                model_name=name,
+                max_context_length=registered.get(aliases.get(name, name), {}).get("max_context_length"),
+            )
+            for name in state.settings.offered_models
+        ]
     )
 
 

@@ -1,8 +1,7 @@
-"""Initial schema: every table of DESIGN §4.
+"""Initial schema: every table of the data model (docs/architecture.md).
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-29 23:48:12.468057
 """
 
 from collections.abc import Sequence
@@ -237,43 +236,6 @@ def upgrade() -> None:
         sa.UniqueConstraint("tenant_id", "name", name=op.f("uq_model_packages_tenant_id_name")),
     )
     op.create_table(
-        "sampling_sessions",
-        sa.Column("id", sa.String(length=128), nullable=False),
-        sa.Column("tenant_id", sa.String(length=64), nullable=False),
-        sa.Column("session_id", sa.String(length=64), nullable=False),
-        sa.Column("sampling_session_seq_id", sa.BigInteger(), nullable=False),
-        sa.Column("base_model", sa.String(length=200), nullable=False),
-        sa.Column("model_path", sa.Text(), nullable=True),
-        sa.Column("training_run_id", sa.String(length=128), nullable=True),
-        sa.Column("worker_id", sa.String(length=64), nullable=True),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["session_id"], ["sessions.id"], name=op.f("fk_sampling_sessions_session_id_sessions")
-        ),
-        sa.ForeignKeyConstraint(
-            ["tenant_id"], ["tenants.id"], name=op.f("fk_sampling_sessions_tenant_id_tenants")
-        ),
-        sa.ForeignKeyConstraint(
-            ["training_run_id"],
-            ["training_runs.id"],
-            name=op.f("fk_sampling_sessions_training_run_id_training_runs"),
-        ),
-        sa.ForeignKeyConstraint(
-            ["worker_id"], ["workers.id"], name=op.f("fk_sampling_sessions_worker_id_workers")
-        ),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_sampling_sessions")),
-        sa.UniqueConstraint(
-            "session_id",
-            "sampling_session_seq_id",
-            name=op.f("uq_sampling_sessions_session_id_sampling_session_seq_id"),
-        ),
-    )
-    with op.batch_alter_table("sampling_sessions", schema=None) as batch_op:
-        batch_op.create_index(
-            batch_op.f("ix_sampling_sessions_tenant_id"), ["tenant_id"], unique=False
-        )
-
-    op.create_table(
         "usage_events",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("tenant_id", sa.String(length=64), nullable=False),
@@ -377,8 +339,55 @@ def upgrade() -> None:
     with op.batch_alter_table("model_aliases", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_model_aliases_tenant_id"), ["tenant_id"], unique=False)
 
+    op.create_table(
+        "sampling_sessions",
+        sa.Column("id", sa.String(length=128), nullable=False),
+        sa.Column("tenant_id", sa.String(length=64), nullable=False),
+        sa.Column("session_id", sa.String(length=64), nullable=False),
+        sa.Column("sampling_session_seq_id", sa.BigInteger(), nullable=False),
+        sa.Column("base_model", sa.String(length=200), nullable=False),
+        sa.Column("model_path", sa.Text(), nullable=True),
+        sa.Column("training_run_id", sa.String(length=128), nullable=True),
+        sa.Column("model_version_id", sa.String(length=64), nullable=True),
+        sa.Column("worker_id", sa.String(length=64), nullable=True),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["model_version_id"],
+            ["model_versions.id"],
+            name=op.f("fk_sampling_sessions_model_version_id_model_versions"),
+        ),
+        sa.ForeignKeyConstraint(
+            ["session_id"], ["sessions.id"], name=op.f("fk_sampling_sessions_session_id_sessions")
+        ),
+        sa.ForeignKeyConstraint(
+            ["tenant_id"], ["tenants.id"], name=op.f("fk_sampling_sessions_tenant_id_tenants")
+        ),
+        sa.ForeignKeyConstraint(
+            ["training_run_id"],
+            ["training_runs.id"],
+            name=op.f("fk_sampling_sessions_training_run_id_training_runs"),
+        ),
+        sa.ForeignKeyConstraint(
+            ["worker_id"], ["workers.id"], name=op.f("fk_sampling_sessions_worker_id_workers")
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_sampling_sessions")),
+        sa.UniqueConstraint(
+            "session_id",
+            "sampling_session_seq_id",
+            name=op.f("uq_sampling_sessions_session_id_sampling_session_seq_id"),
+        ),
+    )
+    with op.batch_alter_table("sampling_sessions", schema=None) as batch_op:
+        batch_op.create_index(
+            batch_op.f("ix_sampling_sessions_tenant_id"), ["tenant_id"], unique=False
+        )
+
 
 def downgrade() -> None:
+    with op.batch_alter_table("sampling_sessions", schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f("ix_sampling_sessions_tenant_id"))
+
+    op.drop_table("sampling_sessions")
     with op.batch_alter_table("model_aliases", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_model_aliases_tenant_id"))
 
@@ -391,10 +400,6 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f("ix_usage_events_tenant_id"))
 
     op.drop_table("usage_events")
-    with op.batch_alter_table("sampling_sessions", schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f("ix_sampling_sessions_tenant_id"))
-
-    op.drop_table("sampling_sessions")
     op.drop_table("model_packages")
     with op.batch_alter_table("training_runs", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_training_runs_tenant_id"))

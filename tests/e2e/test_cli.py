@@ -47,7 +47,7 @@ def test_serve_prints_where_it_listens_and_a_working_key(tmp_path: Path) -> None
         assert proc.stdout is not None
         lines: list[str] = []
         deadline = time.monotonic() + 90
-        while not any("Application startup complete" in line for line in lines):
+        while not any("Uvicorn running on" in line for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
         output = "".join(lines)

@@ -1,0 +1,46 @@
+"""Helpers shared by the routes that submit operations."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session as OrmSession
+
+from api.deps import AppState
+from core import runs, sessions
+from core.apikeys import Principal
+from core.errors import InvalidInput
+from core.tables import Tenant, TrainingRun
+
+
+def active_run(db: OrmSession, state: AppState, principal: Principal, model_id: str) -> TrainingRun:
+    """The caller's training run, if its session is still open (404 otherwise)."""
+    run = runs.get_run(db, principal.tenant_id, model_id)
+    sessions.require_active(
+        db, state.clock, tenant_id=principal.tenant_id, session_id=run.session_id,
+        ttl_seconds=state.settings.session_ttl_seconds,
+    )
+    if run.status in (runs.UNLOADED, runs.FAILED):
+        raise InvalidInput(f"training run {model_id} was {run.status}; create a new training client")
+    return run
+
+
+def require_session(db: OrmSession, state: AppState, principal: Principal, session_id: str) -> None:
+    sessions.require_active(
+        db, state.clock, tenant_id=principal.tenant_id, session_id=session_id,
+        ttl_seconds=state.settings.session_ttl_seconds,
+    )
+
+
+def check_base_model(state: AppState, base_model: str) -> None:
+    if base_model not in state.settings.offered_models:
+        raise InvalidInput(
+            f"base model {base_model!r} is not served here; use one of {state.settings.offered_models} "
+            "(GET /api/v1/get_server_capabilities lists them)"
+        )
+
+
+def check_rank(db: OrmSession, principal: Principal, rank: int) -> None:
+    tenant = db.get(Tenant, principal.tenant_id)
+    assert tenant is not None
+    if not 1 <= rank <= tenant.max_lora_rank:
+        raise InvalidInput(f"lora rank {rank} is outside 1..{tenant.max_lora_rank} allowed for your account; "
+                           f"pass a rank from 1 to {tenant.max_lora_rank}")

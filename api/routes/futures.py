@@ -1,0 +1,81 @@
+"""Futures: long-polled results of submitted operations."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import CurrentPrincipal, State
+from scheduler.futures import FutureState, read_future
+from scheduler.ops import PROTO
+from treadle.types import CancelFutureRequest, RetrieveFutureRequest, TryAgainResponse
+from treadle.wire import (
+    PROTOBUF_CONTENT_TYPE,
+    decode_forward_backward_output,
+    decode_sample_response,
+)
+
+router = APIRouter(prefix="/api/v1", tags=["futures"])
+
+# Between wake-ups the database is re-read at this interval, so a lost notification costs little.
+_RECHECK_SECONDS = 1.0
+
+
+def _proto_as_json(result: bytes, request_type: str | None) -> dict[str, object]:
+    if request_type == "Sample":
+        return decode_sample_response(result).model_dump(mode="json")
+    try:
+        return decode_forward_backward_output(result).model_dump(mode="json")
+    except ValueError:
+        return decode_sample_response(result).model_dump(mode="json")
+
+
+def _respond(state: FutureState, request: Request) -> Response:
+    if state.error_message is not None:
+        return JSONResponse({"error": state.error_message, "category": state.error_category or "server"})
+    assert state.result is not None
+    if state.result_codec == PROTO:
+        if PROTOBUF_CONTENT_TYPE in request.headers.get("accept", ""):
+            return Response(state.result, media_type=PROTOBUF_CONTENT_TYPE)
+        return JSONResponse(_proto_as_json(state.result, request.headers.get("x-tinker-request-type")))
+    return Response(state.result, media_type="application/json")
+
+
+@router.post("/retrieve_future", response_model=None)
+async def retrieve_future(body: RetrieveFutureRequest, request: Request, principal: CurrentPrincipal,
+                          state: State) -> Response:
+    """Holds the request until the result exists or the long-poll window ends (then `try_again`)."""
+    deadline = time.monotonic() + state.settings.long_poll_seconds
+    event = state.notifier.subscribe(body.request_id)
+    try:
+        while True:
+            future = await run_in_threadpool(_read, state, principal.tenant_id, body.request_id)
+            if future.done:
+                return _respond(future, request)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return JSONResponse(TryAgainResponse(request_id=body.request_id,
+                                                     queue_state=future.queue_state).model_dump(mode="json",
+                                                                                                 exclude_none=True))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), min(remaining, _RECHECK_SECONDS))
+            event.clear()
+    finally:
+        state.notifier.unsubscribe(body.request_id, event)
+
+
+def _read(state: State, tenant_id: str, request_id: str) -> FutureState:
+    with state.database.reader() as db:
+        return read_future(db, tenant_id, request_id)
+
+
+@router.post("/cancel_future")
+def cancel_future(body: CancelFutureRequest, principal: CurrentPrincipal) -> dict[str, str]:
+    """Accepted; an operation already queued still runs (its result is simply not fetched)."""
+    return {"status": "accepted"}
+

@@ -1,0 +1,131 @@
+"""Training endpoints: create a LoRA run, get its info, forward/backward, optimizer steps."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import CurrentPrincipal, State
+from api.ops import active_run, check_base_model, check_rank, require_session
+from core import runs
+from core.errors import InvalidInput
+from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload
+from scheduler.submit import UNLOAD_SEQ, submit, submit_training_op
+from treadle.types import (
+    CreateModelRequest,
+    ForwardBackwardRequest,
+    GetInfoRequest,
+    GetInfoResponse,
+    ModelData,
+    OptimStepRequest,
+    UnloadModelRequest,
+    UntypedAPIFuture,
+)
+from treadle.wire import (
+    WireFormatError,
+    decode_forward_backward_request,
+    encode_forward_backward_request,
+)
+
+router = APIRouter(prefix="/api/v1", tags=["training"])
+
+
+@router.post("/create_model", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+def create_model(body: CreateModelRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
+    check_base_model(state, body.base_model)
+    if body.optimizer_config.type != "adamw":
+        raise InvalidInput(f"optimizer {body.optimizer_config.type!r} is not supported; use adamw")
+    lora = body.lora_config.model_dump() if body.lora_config else {"rank": 32}
+    with state.database.transaction() as db:
+        require_session(db, state, principal, body.session_id)
+        check_rank(db, principal, int(lora["rank"]))
+        run, _ = runs.create_training_run(
+            db, state.clock, tenant_id=principal.tenant_id, session_id=body.session_id,
+            model_seq_id=body.model_seq_id, base_model=body.base_model, lora_config=lora,
+            user_metadata=body.user_metadata,
+        )
+        payload, codec = encode_json_payload({"base_model": body.base_model, "lora_config": lora})
+        submitted = submit(
+            db, state.clock, tenant_id=principal.tenant_id, session_id=body.session_id, target_id=run.id,
+            seq_id=0, kind=OpKind.CREATE_MODEL, payload=payload, payload_codec=codec,
+        )
+    state.dispatcher.wake()
+    return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
+
+
+@router.post("/get_info", response_model=GetInfoResponse, response_model_exclude_none=True)
+def get_info(body: GetInfoRequest, principal: CurrentPrincipal, state: State) -> GetInfoResponse:
+    with state.database.reader() as db:
+        run = runs.get_run(db, principal.tenant_id, body.model_id)
+        return GetInfoResponse(
+            model_id=run.id,
+            model_data=ModelData(arch="llama", model_name=run.base_model, tokenizer_id=run.base_model),
+            is_lora=True,
+            lora_rank=run.lora_rank,
+            model_name=run.base_model,
+        )
+
+
+def _decode_forward_backward(body: bytes, content_type: str, content_encoding: str | None) -> tuple[ForwardBackwardRequest, bytes, str]:
+    """The decoded request, and the payload to store: the protobuf as sent, zstd-compressed."""
+    try:
+        if "json" in content_type:
+            request = ForwardBackwardRequest.model_validate_json(body)
+            return request, encode_forward_backward_request(request, compress=True), "proto+zstd"
+        request = decode_forward_backward_request(body, content_encoding)
+    except WireFormatError as exc:
+        raise InvalidInput(str(exc)) from exc
+    except ValueError as exc:  # pydantic validation of a JSON body
+        raise InvalidInput(f"invalid forward_backward request: {exc}") from exc
+    if content_encoding in ("zstd", "gzip"):
+        return request, body, f"proto+{content_encoding}"
+    payload, codec = encode_proto_payload(body)
+    return request, payload, codec
+
+
+@router.post("/forward_backward", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+async def forward_backward(request: Request, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
+    """Protobuf body (as the tinker SDK sends it), or JSON for clients without protobuf."""
+    body = await request.body()
+    decoded, payload, codec = await run_in_threadpool(
+        _decode_forward_backward, body, request.headers.get("content-type", ""),
+        request.headers.get("content-encoding"),
+    )
+    return await run_in_threadpool(_submit_forward_backward, state, principal, decoded, payload, codec)
+
+
+def _submit_forward_backward(state: State, principal: CurrentPrincipal, decoded: ForwardBackwardRequest,
+                             payload: bytes, codec: str) -> UntypedAPIFuture:
+    with state.database.transaction() as db:
+        run = active_run(db, state, principal, decoded.model_id)
+        submitted = submit_training_op(db, state.clock, run=run, seq_id=decoded.seq_id,
+                                       kind=OpKind.FORWARD_BACKWARD, payload=payload, payload_codec=codec)
+    state.dispatcher.wake()
+    return UntypedAPIFuture(request_id=submitted.request_id, model_id=decoded.model_id)
+
+
+@router.post("/optim_step", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+def optim_step(body: OptimStepRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
+    if body.optimizer_params is not None:
+        raise InvalidInput("only AdamW is supported; send adam_params instead of optimizer_params")
+    if body.seq_id is None:
+        raise InvalidInput("optim_step needs a seq_id: the position of this request in the run's order")
+    return submit_json_op(state, principal, body.model_id, body.seq_id, OpKind.OPTIM_STEP,
+                          body.model_dump(mode="json", exclude_none=True))
+
+
+@router.post("/unload_model", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+def unload_model(body: UnloadModelRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
+    """Frees the run's memory once every request submitted before it has run."""
+    return submit_json_op(state, principal, body.model_id, UNLOAD_SEQ, OpKind.UNLOAD_MODEL, {})
+
+
+def submit_json_op(state: State, principal: CurrentPrincipal, model_id: str, seq_id: int, kind: OpKind,
+                   payload: dict[str, object]) -> UntypedAPIFuture:
+    data, codec = encode_json_payload(payload)
+    with state.database.transaction() as db:
+        run = active_run(db, state, principal, model_id)
+        submitted = submit_training_op(db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data,
+                                       payload_codec=codec)
+    state.dispatcher.wake()
+    return UntypedAPIFuture(request_id=submitted.request_id, model_id=model_id)

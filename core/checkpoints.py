@@ -1,0 +1,197 @@
+"""Checkpoints: saved weights registered as immutable model versions.
+
+Each training run has a model package (named after the run); every save adds a version to it,
+with numbers allocated under the package's row lock. A checkpoint's public name is its tinker
+path, `tinker://<run>/<weights|sampler_weights|external_weights>/<name>`. Deleting marks the
+version deleted and frees its path; the caller removes the artifact.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session as OrmSession
+
+from core.clock import Clock
+from core.errors import InvalidInput, NotFound
+from core.tables import ModelPackage, ModelVersion, TrainingRun
+
+KIND_BY_SEGMENT = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+SEGMENT_BY_KIND = {kind: segment for segment, kind in KIND_BY_SEGMENT.items()}
+MIN_TTL_SECONDS = 3600
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
+READY, PENDING, FAILED, DELETED = "ready", "pending", "failed", "deleted"
+
+
+def tinker_path(run_id: str, kind: str, name: str) -> str:
+    return f"tinker://{run_id}/{SEGMENT_BY_KIND[kind]}/{name}"
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """(run id, kind, name) of a tinker path; InvalidInput says what a valid one looks like."""
+    if not path.startswith("tinker://"):
+        raise InvalidInput(f"checkpoint path {path!r} must start with tinker://")
+    parts = path.removeprefix("tinker://").split("/")
+    if len(parts) != 3 or not all(parts) or parts[1] not in KIND_BY_SEGMENT:
+        raise InvalidInput(
+            f"checkpoint path {path!r} is malformed; expected tinker://<run id>/"
+            "<weights|sampler_weights|external_weights>/<name>"
+        )
+    return parts[0], KIND_BY_SEGMENT[parts[1]], parts[2]
+
+
+def check_name(name: str) -> str:
+    if not name or "/" in name or name.startswith(".") or len(name) > 200:
+        raise InvalidInput(
+            f"checkpoint name {name!r} is not allowed; use 1-200 characters without '/' and not starting with '.'"
+        )
+    return name
+
+
+def check_ttl(ttl_seconds: int | None) -> int | None:
+    if ttl_seconds is not None and not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
+        raise InvalidInput(
+            f"ttl_seconds {ttl_seconds} is outside {MIN_TTL_SECONDS}..{MAX_TTL_SECONDS} (1 hour to 10 years); "
+            "pass a value in range, or none to keep the checkpoint until deleted"
+        )
+    return ttl_seconds
+
+
+def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPackage:
+    query = select(ModelPackage).where(ModelPackage.tenant_id == run.tenant_id, ModelPackage.name == run.id)
+    package = db.scalar(query.with_for_update())
+    if package is None:
+        package = ModelPackage(
+            id="pkg_" + uuid.uuid4().hex[:16],
+            tenant_id=run.tenant_id,
+            name=run.id,
+            base_model=run.base_model,
+            training_run_id=run.id,
+            created_at=clock.now(),
+        )
+        db.add(package)
+        db.flush()
+        package = db.scalar(query.with_for_update()) or package
+    return package
+
+
+def find_by_path(db: OrmSession, path: str) -> ModelVersion | None:
+    return db.scalar(select(ModelVersion).where(ModelVersion.tinker_path == path, ModelVersion.status != DELETED))
+
+
+def register(
+    db: OrmSession,
+    clock: Clock,
+    *,
+    run: TrainingRun,
+    kind: str,
+    name: str | None,
+    artifact_uri: str,
+    size_bytes: int,
+    sha256: str,
+    ttl_seconds: int | None = None,
+    user_metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> ModelVersion:
+    """Add a ready version for `run`. A nameless one (sampler snapshots) has no tinker path."""
+    path = tinker_path(run.id, kind, check_name(name)) if name is not None else None
+    if path is not None:
+        existing = find_by_path(db, path)
+        if existing is not None:
+            if not overwrite:
+                raise InvalidInput(f"checkpoint {path} already exists; pick another name or pass overwrite=True")
+            existing.status, existing.tinker_path = DELETED, None
+            db.flush()
+    package = _package_for_run(db, clock, run)
+    latest = db.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.package_id == package.id))
+    now = clock.now()
+    version = ModelVersion(
+        id="mv_" + uuid.uuid4().hex[:16],
+        tenant_id=run.tenant_id,
+        package_id=package.id,
+        version=(latest or 0) + 1,
+        kind=kind,
+        tinker_path=path,
+        training_run_id=run.id,
+        step=run.optim_steps,
+        lora_config=run.lora_config,
+        user_metadata=user_metadata,
+        artifact_uri=artifact_uri,
+        size_bytes=size_bytes,
+        sha256=sha256,
+        status=READY,
+        expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None,
+        created_at=now,
+    )
+    db.add(version)
+    db.flush()
+    return version
+
+
+def _expired(version: ModelVersion, now: datetime) -> bool:
+    return version.expires_at is not None and version.expires_at <= now
+
+
+def resolve(db: OrmSession, clock: Clock, tenant_id: str, path: str) -> ModelVersion:
+    """The live checkpoint at `path` that `tenant_id` may read: its own, or a published one."""
+    parse_tinker_path(path)
+    version = find_by_path(db, path)
+    if version is None or (version.tenant_id != tenant_id and not version.public) or _expired(version, clock.now()):
+        raise NotFound(f"checkpoint {path} not found; list yours with RestClient.list_user_checkpoints()")
+    return version
+
+
+def owned(db: OrmSession, clock: Clock, tenant_id: str, run_id: str, checkpoint_id: str) -> ModelVersion:
+    """A checkpoint of the tenant's own run, addressed as in REST paths (`weights/<name>`)."""
+    version = resolve(db, clock, tenant_id, f"tinker://{run_id}/{checkpoint_id}")
+    if version.tenant_id != tenant_id:
+        raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+    return version
+
+
+def list_checkpoints(
+    db: OrmSession, clock: Clock, tenant_id: str, *, run_id: str | None, limit: int, offset: int
+) -> tuple[list[ModelVersion], int]:
+    now = clock.now()
+    conditions = [
+        ModelVersion.tenant_id == tenant_id,
+        ModelVersion.status == READY,
+        ModelVersion.tinker_path.is_not(None),
+        or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now),
+    ]
+    if run_id is not None:
+        conditions.append(ModelVersion.training_run_id == run_id)
+    total = db.scalar(select(func.count()).select_from(ModelVersion).where(*conditions)) or 0
+    rows = db.scalars(
+        select(ModelVersion).where(*conditions).order_by(ModelVersion.created_at.desc(), ModelVersion.id).limit(limit).offset(offset)
+    )
+    return list(rows), total
+
+
+def latest_of_kind(db: OrmSession, run_id: str, kind: str) -> ModelVersion | None:
+    return db.scalar(
+        select(ModelVersion)
+        .where(ModelVersion.training_run_id == run_id, ModelVersion.kind == kind, ModelVersion.status == READY,
+               ModelVersion.tinker_path.is_not(None))
+        .order_by(ModelVersion.version.desc())
+        .limit(1)
+    )
+
+
+def mark_deleted(version: ModelVersion) -> str | None:
+    """Retire a version; returns its artifact URI for the caller to remove."""
+    version.status, version.tinker_path = DELETED, None
+    return version.artifact_uri
+
+
+def set_public(version: ModelVersion, public: bool) -> None:
+    """Published checkpoints can be read (sampled, loaded) by every tenant."""
+    version.public = public
+
+
+def set_ttl(version: ModelVersion, clock: Clock, ttl_seconds: int | None) -> None:
+    check_ttl(ttl_seconds)
+    version.expires_at = clock.now() + timedelta(seconds=ttl_seconds) if ttl_seconds else None

@@ -1,0 +1,155 @@
+"""Conversions between wire types (`treadle.types`) and the engine's protocol types.
+
+Pure functions, no I/O: decoding a request never touches a run, so a conversion error is a
+user error that leaves everything as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from gpu_worker import protocol as ep
+from treadle.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ForwardBackwardRequest,
+    SampledSequence,
+    SampleRequest,
+    SampleResponse,
+    TensorData,
+)
+from treadle.wire import encode_forward_backward_output, encode_sample_response
+
+# LoRA scaling is alpha / rank; Treadle fixes alpha so that changing the rank does not rescale
+# the update (the same convention the engine's defaults use).
+LORA_ALPHA = 32.0
+
+
+def lora_spec(config: dict[str, Any]) -> ep.LoraSpec:
+    return ep.LoraSpec(
+        rank=int(config["rank"]),
+        alpha=float(config.get("alpha", LORA_ALPHA)),
+        seed=int(config.get("seed") or 0),
+        train_attn=bool(config.get("train_attn", True)),
+        train_mlp=bool(config.get("train_mlp", True)),
+        train_unembed=bool(config.get("train_unembed", True)),
+    )
+
+
+def _tokens(model_input: Any, where: str) -> list[int]:
+    try:
+        tokens: list[int] = model_input.to_ints()
+    except (ValueError, TypeError) as exc:
+        raise ep.UserInputError(f"{where}: {exc}; send token ids (encoded_text chunks) only") from exc
+    return tokens
+
+
+def datums(request: ForwardBackwardRequest) -> list[ep.Datum]:
+    out = []
+    for i, datum in enumerate(request.data):
+        out.append(_datum(datum, f"data[{i}]"))
+    return out
+
+
+def _datum(datum: Datum, where: str) -> ep.Datum:
+    inputs = {name: tensor.to_numpy() for name, tensor in datum.loss_fn_inputs.items()}
+    return ep.Datum(tokens=_tokens(datum.model_input, f"{where}.model_input"), loss_fn_inputs=inputs)
+
+
+def loss_config(request: ForwardBackwardRequest) -> dict[str, float] | None:
+    if not request.loss_fn_config:
+        return None
+    numbers: dict[str, float] = {}
+    for key, value in request.loss_fn_config.items():
+        if isinstance(value, str):
+            raise ep.UserInputError(
+                f"loss_fn_config[{key!r}] is text ({value!r}); server-side custom losses are not "
+                "supported: use forward_backward_custom, which computes the loss client-side"
+            )
+        numbers[key] = float(value)
+    return numbers
+
+
+def adam(params: AdamParams | None) -> ep.AdamParams:
+    if params is None:
+        return ep.AdamParams()
+    return ep.AdamParams(
+        learning_rate=params.learning_rate,
+        beta1=params.beta1,
+        beta2=params.beta2,
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        grad_clip_norm=params.grad_clip_norm,
+    )
+
+
+def forward_backward_output(result: ep.ForwardBackwardResult) -> bytes:
+    outputs = [
+        {name: TensorData.from_numpy(np.ascontiguousarray(array)) for name, array in per_datum.items()}
+        for per_datum in result.loss_fn_outputs
+    ]
+    return encode_forward_backward_output(
+        ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=result.metrics)
+    )
+
+
+def sample_request(request: SampleRequest, *, run_id: str | None, base_model: str) -> ep.SampleRequest:
+    if request.prompt_alt_tokens_k:
+        raise ep.UserInputError("prompt_alt_tokens_k is not supported; leave it at 0")
+    if request.target_prompt_logprobs is not None:
+        raise ep.UserInputError("target_prompt_logprobs is not supported; compute logprobs of the target with compute_logprobs")
+    if request.topk_sample_logprobs:
+        raise ep.UserInputError("topk_sample_logprobs is not supported; leave it at 0 (sampled-token logprobs are always returned)")
+    if request.record_stability_info:
+        raise ep.UserInputError(
+            "record_stability_info is not supported yet; train with importance_sampling, ppo or cispo instead of stable_reinforce"
+        )
+    params = request.sampling_params
+    wants_prompt = bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0
+    return ep.SampleRequest(
+        prompt=_tokens(request.prompt, "prompt"),
+        params=ep.SamplingParams(
+            max_tokens=params.max_tokens if params.max_tokens is not None else 16,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=params.stop,
+        ),
+        num_samples=request.num_samples,
+        run_id=run_id,
+        base_model=None if run_id else base_model,
+        prompt_logprobs=wants_prompt,
+        topk_prompt_logprobs=request.topk_prompt_logprobs,
+    )
+
+
+def _nan_to_none(values: np.ndarray) -> list[float | None]:
+    return [None if math.isnan(v) else float(v) for v in values.tolist()]
+
+
+def sample_output(request: SampleRequest, result: ep.SampleResult) -> bytes:
+    sequences = [
+        SampledSequence(stop_reason=s.stop_reason, tokens=list(s.tokens), logprobs=list(s.logprobs))
+        for s in result.sequences
+    ]
+    prompt_logprobs = None
+    if request.prompt_logprobs and result.prompt_logprobs is not None:
+        prompt_logprobs = _nan_to_none(result.prompt_logprobs)
+        if request.prompt_logprobs_last_n is not None:
+            keep_from = max(0, len(prompt_logprobs) - request.prompt_logprobs_last_n)
+            hidden: list[float | None] = [None] * keep_from
+            prompt_logprobs = hidden + prompt_logprobs[keep_from:]
+    topk = None
+    if request.topk_prompt_logprobs and result.topk_prompt_logprobs is not None:
+        ids, lps = result.topk_prompt_logprobs
+        topk = [
+            None if row == 0 else [(int(t), float(lp)) for t, lp in zip(ids[row], lps[row], strict=True)]
+            for row in range(ids.shape[0])
+        ]
+    response = SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
+    return encode_sample_response(response)

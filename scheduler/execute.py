@@ -1,0 +1,289 @@
+"""What each operation kind does on the engine, and what it leaves to record.
+
+An `Outcome` carries the result bytes, the usage, and an optional `apply` callback with the
+database writes that belong to the result (a registered checkpoint, a run becoming active);
+the worker host runs it in the same transaction that stores the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sqlalchemy.orm import Session as OrmSession
+
+from billing.ledger import UsageLine
+from core import checkpoints, runs
+from core.clock import Clock
+from core.db import Database
+from core.ids import sampling_session_id
+from core.objectstore import ArtifactStore
+from core.tables import ModelVersion, TrainingRun
+from gpu_worker import protocol as ep
+from scheduler import convert
+from scheduler.ops import JSON, PROTO, OpKind, decode_json_payload, decode_payload
+from treadle.types import (
+    CreateModelResponse,
+    LoadWeightsResponse,
+    OptimStepRequest,
+    OptimStepResponse,
+    SampleRequest,
+    SaveWeightsExternalRequest,
+    SaveWeightsExternalResponse,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsRequest,
+    SaveWeightsResponse,
+    UnloadModelResponse,
+)
+from treadle.wire import WireFormatError, decode_forward_backward_request
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from gpu_worker.engine import Engine
+    from scheduler.worker_host import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Outcome:
+    result: bytes | None = None
+    codec: str | None = None
+    error: tuple[str, str] | None = None  # (category, message)
+    usage: list[UsageLine] = dataclasses.field(default_factory=list)
+    apply: Callable[[OrmSession], object] | None = None
+
+    @classmethod
+    def failed(cls, category: str, message: str) -> Outcome:
+        return cls(error=(category, message))
+
+    @classmethod
+    def json(cls, model: BaseModel, usage: list[UsageLine] | None = None,
+             apply: Callable[[OrmSession], object] | None = None) -> Outcome:
+        body = model.model_dump_json(exclude_none=True).encode()
+        return cls(result=body, codec=JSON, usage=usage or [], apply=apply)
+
+
+def usage_lines(usage: ep.Usage) -> list[UsageLine]:
+    return [
+        UsageLine("training", usage.trained_tokens),
+        UsageLine("sampling_prefill", usage.prefill_tokens),
+        UsageLine("sampling_sample", usage.sampled_tokens),
+    ]
+
+
+def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
+    try:
+        return work()
+    except ep.UserInputError as exc:
+        return Outcome.failed("user", str(exc))
+    except Exception as exc:
+        log.exception("operation %s (%s) failed", task.id, task.kind)
+        return Outcome.failed("server", f"{task.kind} failed on the server ({type(exc).__name__}); retry, "
+                              "and report it to the operator if it persists")
+
+
+class Executor:
+    def __init__(self, engine: Engine, store: ArtifactStore, database: Database, clock: Clock) -> None:
+        self.engine = engine
+        self.store = store
+        self.database = database
+        self.clock = clock
+
+    # --- forward_backward, batched across runs ------------------------------------------
+
+    def forward_backward(self, tasks: list[Task]) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        ops: list[tuple[Task, ep.ForwardBackwardOp]] = []
+        for task in tasks:
+            try:
+                request = decode_forward_backward_request(decode_payload(task.payload, task.payload_codec))
+                op = ep.ForwardBackwardOp(
+                    run_id=task.target_id, data=convert.datums(request), loss_fn=request.loss_fn,
+                    loss_fn_config=convert.loss_config(request), forward_only=request.forward_only,
+                )
+            except (WireFormatError, ep.UserInputError) as exc:
+                outcomes[task.id] = Outcome.failed("user", str(exc))
+                continue
+            ops.append((task, op))
+        if ops:
+            try:
+                results = self.engine.forward_backward_batch([op for _, op in ops])
+            except Exception:
+                log.exception("forward_backward batch failed")
+                results = [ep.OpError("server", "forward_backward failed on the server; retry") for _ in ops]
+            for (task, _), result in zip(ops, results, strict=True):
+                if isinstance(result, ep.OpError):
+                    outcomes[task.id] = Outcome.failed(result.category, result.message)
+                else:
+                    outcomes[task.id] = _guarded(task, lambda r=result: Outcome(  # type: ignore[misc]
+                        result=convert.forward_backward_output(r), codec=PROTO, usage=usage_lines(r.usage)))
+        return outcomes
+
+    # --- sampling, batched across requests and adapters ---------------------------------
+
+    def sample(self, tasks: list[Task]) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        prepared: list[tuple[Task, SampleRequest, ep.SampleRequest]] = []
+        for task in tasks:
+            try:
+                wire = SampleRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+                run_id = self._sampler_run(task)
+                prepared.append((task, wire, convert.sample_request(wire, run_id=run_id, base_model=task.base_model)))
+            except ep.UserInputError as exc:
+                outcomes[task.id] = Outcome.failed("user", str(exc))
+            except Exception as exc:
+                log.exception("preparing sample %s failed", task.id)
+                outcomes[task.id] = Outcome.failed("server", f"sampling failed on the server ({type(exc).__name__}); retry")
+        if prepared:
+            results = self.engine.sample_batch([req for _, _, req in prepared])
+            for (task, wire, _), result in zip(prepared, results, strict=True):
+                if isinstance(result, ep.OpError):
+                    outcomes[task.id] = Outcome.failed(result.category, result.message)
+                else:
+                    outcomes[task.id] = _guarded(task, lambda w=wire, r=result: Outcome(  # type: ignore[misc]
+                        result=convert.sample_output(w, r), codec=PROTO, usage=usage_lines(r.usage)))
+        return outcomes
+
+    def _sampler_run(self, task: Task) -> str | None:
+        """The engine run holding the sampler's weights, loaded on first use; None = base model."""
+        if task.sampler_version_id is None:
+            return None
+        run_id = f"sampler:{task.sampler_version_id}"
+        if run_id not in self.engine.run_ids():
+            with self.database.reader() as db:
+                version = db.get(ModelVersion, task.sampler_version_id)
+                uri = version.artifact_uri if version is not None else None
+            if uri is None:
+                raise ep.UserInputError("the weights of this sampling session were deleted; create a new sampling client")
+            self.engine.load_state(run_id, self.store.open_dir(uri), include_optimizer=False)
+        return run_id
+
+    # --- everything else, one op at a time ---------------------------------------------
+
+    def run(self, task: Task) -> Outcome:
+        handlers: dict[OpKind, Callable[[Task], Outcome]] = {
+            OpKind.CREATE_MODEL: self._create_model,
+            OpKind.LOAD_WEIGHTS: self._load_weights,
+            OpKind.OPTIM_STEP: self._optim_step,
+            OpKind.SAVE_WEIGHTS: self._save_weights,
+            OpKind.SAVE_WEIGHTS_FOR_SAMPLER: self._save_for_sampler,
+            OpKind.SAVE_WEIGHTS_EXTERNAL: self._save_external,
+            OpKind.UNLOAD_MODEL: self._unload,
+        }
+        return _guarded(task, lambda: handlers[task.kind](task))
+
+    def _create_model(self, task: Task) -> Outcome:
+        payload = decode_json_payload(task.payload, task.payload_codec)
+        self.engine.create_run(task.target_id, payload["base_model"], convert.lora_spec(payload["lora_config"]))
+        return Outcome.json(CreateModelResponse(model_id=task.target_id), apply=_activate(task.target_id))
+
+    def _load_weights(self, task: Task) -> Outcome:
+        payload = decode_json_payload(task.payload, task.payload_codec)
+        self.engine.load_state(
+            task.target_id, self.store.open_dir(payload["artifact_uri"]),
+            include_optimizer=bool(payload["optimizer"]), base_model=payload["base_model"],
+        )
+        return Outcome.json(LoadWeightsResponse(path=payload["path"], model_id=task.target_id),
+                            apply=_activate(task.target_id))
+
+    def _optim_step(self, task: Task) -> Outcome:
+        request = OptimStepRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        result = self.engine.optim_step(task.target_id, convert.adam(request.adam_params))
+
+        def apply(db: OrmSession) -> None:
+            run = db.get(TrainingRun, task.target_id)
+            if run is not None:
+                run.optim_steps += 1
+
+        return Outcome.json(OptimStepResponse(metrics=result.metrics), apply=apply)
+
+    def _save(self, task: Task, kind: str, name: str | None, *, optimizer: bool, export: bool = False,
+              ttl_seconds: int | None = None, overwrite: bool = False,
+              user_metadata: dict[str, str] | None = None) -> tuple[int, Callable[[OrmSession], ModelVersion]]:
+        """Write the run's weights to the store; returns its size and the registering callback."""
+        key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/{kind}/{name or 'snapshot'}-{task.id}"
+        folder = self.store.local_dir(key)
+        if export:
+            self.engine.export_adapter(task.target_id, folder)
+        else:
+            self.engine.save_state(task.target_id, folder, include_optimizer=optimizer)
+        uri = self.store.uri(key)
+        size, digest = self.store.size_and_digest(uri)
+
+        def register(db: OrmSession) -> ModelVersion:
+            run = db.get(TrainingRun, task.target_id)
+            assert run is not None
+            return checkpoints.register(
+                db, self.clock, run=run, kind=kind, name=name, artifact_uri=uri, size_bytes=size,
+                sha256=digest, ttl_seconds=ttl_seconds, user_metadata=user_metadata, overwrite=overwrite,
+            )
+
+        return size, register
+
+    def _save_weights(self, task: Task) -> Outcome:
+        request = SaveWeightsRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        name = request.path or f"step-{task.seq_id}"
+        _, register = self._save(task, "training", name, optimizer=True, ttl_seconds=request.ttl_seconds,
+                                 overwrite=request.overwrite, user_metadata=request.user_metadata)
+        path = checkpoints.tinker_path(task.target_id, "training", name)
+        return Outcome.json(SaveWeightsResponse(path=path), usage=[UsageLine("checkpoint", 1)], apply=register)
+
+    def _save_for_sampler(self, task: Task) -> Outcome:
+        request = SaveWeightsForSamplerRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        if request.path is None and request.sampling_session_seq_id is None:
+            raise ep.UserInputError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
+        _, register = self._save(task, "sampler", request.path, optimizer=False,
+                                 ttl_seconds=request.ttl_seconds, user_metadata=request.user_metadata)
+        if request.path is not None:
+            path = checkpoints.tinker_path(task.target_id, "sampler", request.path)
+            return Outcome.json(SaveWeightsForSamplerResponse(path=path), usage=[UsageLine("checkpoint", 1)],
+                                apply=register)
+        seq = request.sampling_session_seq_id
+        assert seq is not None
+        sampler_id = sampling_session_id(task.session_id, seq)
+
+        def apply(db: OrmSession) -> None:
+            version = register(db)
+            runs.create_sampling_session(
+                db, self.clock, tenant_id=task.tenant_id, session_id=task.session_id, seq=seq,
+                base_model=task.base_model, model_path=None, training_run_id=task.target_id,
+                model_version_id=version.id,
+            )
+
+        return Outcome.json(SaveWeightsForSamplerResponse(sampling_session_id=sampler_id),
+                            usage=[UsageLine("checkpoint", 1)], apply=apply)
+
+    def _save_external(self, task: Task) -> Outcome:
+        request = SaveWeightsExternalRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        if request.age_encryption_recipients:
+            raise ep.UserInputError("age encryption of exports is not supported; omit age_encryption_recipients")
+        size, register = self._save(task, "external", request.path, optimizer=False, export=True,
+                                    ttl_seconds=request.ttl_seconds)
+        path = checkpoints.tinker_path(task.target_id, "external", request.path)
+        return Outcome.json(SaveWeightsExternalResponse(path=path, size_bytes=size),
+                            usage=[UsageLine("checkpoint", 1)], apply=register)
+
+    def _unload(self, task: Task) -> Outcome:
+        self.engine.remove_run(task.target_id)
+
+        def apply(db: OrmSession) -> None:
+            run = db.get(TrainingRun, task.target_id)
+            if run is not None:
+                run.status = runs.UNLOADED
+
+        return Outcome.json(UnloadModelResponse(model_id=task.target_id), apply=apply)
+
+
+def _activate(run_id: str) -> Callable[[OrmSession], None]:
+    def apply(db: OrmSession) -> None:
+        run = db.get(TrainingRun, run_id)
+        if run is not None:
+            run.status = runs.ACTIVE
+
+    return apply
+

@@ -1,0 +1,24 @@
+"""Which base models are served, as the workers registered them (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session as OrmSession
+
+from core.tables import Worker
+
+
+def tokenizer_key(model: str) -> str:
+    """Where a model's tokenizer files are published in the artifact store."""
+    return f"models/{model.replace('/', '__')}/tokenizer"
+
+
+def registered_models(db: OrmSession) -> dict[str, dict[str, Any]]:
+    """Model name → what a live worker reported about it (context length, vocabulary)."""
+    out: dict[str, dict[str, Any]] = {}
+    for models in db.scalars(select(Worker.models).where(Worker.status == "live")):
+        for entry in models:
+            out.setdefault(entry["name"], entry)
+    return out

@@ -1,0 +1,56 @@
+"""Operation kinds and how their payloads and results are stored.
+
+Payloads are stored once, compressed: forward_backward keeps the client's protobuf body as
+sent (it is decoded again where it executes), everything else is JSON. Results of
+forward_backward and sample are protobuf (what the tinker SDK requires); the rest JSON.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any
+
+import zstandard
+
+_compressor = zstandard.ZstdCompressor(level=3)
+_decompressor = zstandard.ZstdDecompressor()
+
+
+class OpKind(enum.StrEnum):
+    CREATE_MODEL = "create_model"
+    LOAD_WEIGHTS = "load_weights"
+    FORWARD_BACKWARD = "forward_backward"
+    OPTIM_STEP = "optim_step"
+    SAVE_WEIGHTS = "save_weights"
+    SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
+    UNLOAD_MODEL = "unload_model"
+    SAMPLE = "sample"
+
+
+# Training ops run strictly in seq order per run; sampling ops are independent.
+SAMPLING_KINDS = frozenset({OpKind.SAMPLE})
+SAVE_KINDS = frozenset({OpKind.SAVE_WEIGHTS, OpKind.SAVE_WEIGHTS_FOR_SAMPLER, OpKind.SAVE_WEIGHTS_EXTERNAL})
+
+PROTO, JSON = "proto", "json"
+PROTO_ZSTD, JSON_ZSTD = "proto+zstd", "json+zstd"
+
+
+def encode_json_payload(payload: dict[str, Any]) -> tuple[bytes, str]:
+    return _compressor.compress(json.dumps(payload, separators=(",", ":")).encode()), JSON_ZSTD
+
+
+def encode_proto_payload(body: bytes) -> tuple[bytes, str]:
+    return _compressor.compress(body), PROTO_ZSTD
+
+
+def decode_payload(data: bytes, codec: str) -> bytes:
+    if codec not in (PROTO_ZSTD, JSON_ZSTD):
+        raise ValueError(f"unknown payload codec {codec!r}")
+    return _decompressor.decompress(data)
+
+
+def decode_json_payload(data: bytes, codec: str) -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(decode_payload(data, codec))
+    return value

@@ -1,0 +1,122 @@
+"""The one write path for operations: validate ordering, dedupe, insert, wake the dispatcher.
+
+An operation is keyed by `(target_id, seq_id)`: a resubmission of the same key (the tinker SDK
+retries with new idempotency keys) returns the existing request id and never runs twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session as OrmSession
+
+from core.clock import Clock
+from core.errors import InvalidInput, NotFound
+from core.ids import new_request_id
+from core.tables import Operation, TrainingRun
+from scheduler.ops import OpKind
+
+log = logging.getLogger(__name__)
+
+QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
+# unload_model carries no seq_id on the wire: it runs after everything submitted before it,
+# and anything after it arrives too late.
+UNLOAD_SEQ = 1 << 62
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    request_id: str
+    duplicate: bool
+
+
+def submit(
+    db: OrmSession,
+    clock: Clock,
+    *,
+    tenant_id: str,
+    session_id: str,
+    target_id: str,
+    seq_id: int | None,
+    kind: OpKind,
+    payload: bytes,
+    payload_codec: str,
+) -> Submitted:
+    if seq_id is not None:
+        existing = _existing(db, tenant_id, target_id, seq_id, kind)
+        if existing is not None:
+            return Submitted(existing.id, duplicate=True)
+    op = Operation(
+        id=new_request_id(),
+        tenant_id=tenant_id,
+        session_id=session_id,
+        target_id=target_id,
+        seq_id=seq_id,
+        kind=kind.value,
+        status=QUEUED,
+        payload=payload,
+        payload_codec=payload_codec,
+        created_at=clock.now(),
+    )
+    try:
+        with db.begin_nested():
+            db.add(op)
+    except IntegrityError:
+        # A concurrent twin won the race on (target_id, seq_id): answer with its request id.
+        existing = _existing(db, tenant_id, target_id, seq_id, kind) if seq_id is not None else None
+        if existing is None:
+            raise
+        return Submitted(existing.id, duplicate=True)
+    return Submitted(op.id, duplicate=False)
+
+
+def _existing(db: OrmSession, tenant_id: str, target_id: str, seq_id: int, kind: OpKind) -> Operation | None:
+    existing = db.scalar(select(Operation).where(Operation.target_id == target_id, Operation.seq_id == seq_id))
+    if existing is None:
+        return None
+    if existing.tenant_id != tenant_id:
+        raise NotFound(f"{target_id!r} not found")
+    if existing.kind != kind.value:
+        raise InvalidInput(
+            f"seq_id {seq_id} of {target_id} was already used by a {existing.kind} request; "
+            "each request of a client needs its own seq_id"
+        )
+    return existing
+
+
+def submit_training_op(
+    db: OrmSession,
+    clock: Clock,
+    *,
+    run: TrainingRun,
+    seq_id: int,
+    kind: OpKind,
+    payload: bytes,
+    payload_codec: str,
+) -> Submitted:
+    """Submit an op on a training run, in the run's seq order.
+
+    A seq_id at or below what the run already executed can only be a resubmission (answered
+    with the original request) or a request that arrived after its gap was released, which is
+    accepted and failed at once so the client hears why.
+    """
+    if seq_id < 1:
+        raise InvalidInput(f"seq_id {seq_id} is invalid; training requests count seq_id from 1")
+    submitted = submit(
+        db, clock, tenant_id=run.tenant_id, session_id=run.session_id, target_id=run.id,
+        seq_id=seq_id, kind=kind, payload=payload, payload_codec=payload_codec,
+    )
+    if not submitted.duplicate and seq_id <= run.executed_seq_id:
+        op = db.get(Operation, submitted.request_id)
+        assert op is not None
+        op.status, op.finished_at, op.error_category = FAILED, clock.now(), "user"
+        op.error_message = (
+            f"seq_id {seq_id} reached the server after later requests of {run.id} had run (it was "
+            "given up on as lost); submit the work again with a new request"
+        )
+        log.warning("late arrival of seq %s on %s after its gap was released", seq_id, run.id)
+    run.last_request_at = clock.now()
+    return submitted

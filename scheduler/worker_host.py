@@ -1,0 +1,236 @@
+"""The worker host: runs queued operations on an Engine and records their results.
+
+It is the only part of the scheduler that imports the engine. Each `step()` claims what is
+ready — for every training run the op whose seq_id comes next, and pending samples — executes
+it (forward_backward ops of different runs together, as one multi-LoRA pass), and records each
+result with its usage in one transaction. Waiters are then woken through the notifier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import socket
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import and_, exists, func, or_, select, update
+from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.orm import aliased
+
+from billing.ledger import record_usage
+from core.clock import Clock
+from core.db import Database
+from core.errors import TreadleError
+from core.objectstore import ArtifactStore
+from core.settings import Settings
+from core.tables import Operation, SamplingSession, TrainingRun, Worker
+from gpu_worker.engine import Engine, EngineSettings
+from scheduler.execute import Executor, Outcome
+from scheduler.models import tokenizer_key
+from scheduler.notify import Notifier
+from scheduler.ops import OpKind
+from scheduler.submit import DONE, FAILED, QUEUED, RUNNING, UNLOAD_SEQ
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A claimed operation, detached from the database session that claimed it."""
+
+    id: str
+    kind: OpKind
+    tenant_id: str
+    session_id: str
+    target_id: str
+    seq_id: int | None
+    payload: bytes
+    payload_codec: str
+    base_model: str
+    sampler_version_id: str | None = None
+
+
+def build_engine(settings: Settings) -> Engine:
+    return Engine(
+        EngineSettings(
+            device=settings.device,
+            precision=settings.precision,
+            num_threads=settings.torch_threads,
+            max_lora_rank=settings.engine_max_lora_rank,
+            aliases=dict(settings.model_aliases),
+        )
+    )
+
+
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+})
+
+
+class WorkerHost:
+    def __init__(
+        self,
+        database: Database,
+        clock: Clock,
+        engine: Engine,
+        store: ArtifactStore,
+        notifier: Notifier,
+        *,
+        worker_id: str = "embedded",
+        gap_timeout_seconds: float = 120.0,
+        max_sample_batch: int = 64,
+    ) -> None:
+        self.database = database
+        self.clock = clock
+        self.engine = engine
+        self.notifier = notifier
+        self.worker_id = worker_id
+        self.gap_timeout = timedelta(seconds=gap_timeout_seconds)
+        self.max_sample_batch = max_sample_batch
+        self.executor = Executor(engine, store, database, clock)
+
+    # --- start-up -------------------------------------------------------------------------
+
+    def register(self, models: list[str], store: ArtifactStore) -> None:
+        """Record this worker and what it serves; requeue ops a previous life left running.
+
+        Each model's tokenizer files are published to the artifact store, from where the API
+        serves them to clients (which then never need the Hugging Face hub).
+        """
+        infos = [self.engine.catalog.info(name) for name in models]
+        for name in models:
+            folder = store.local_dir(tokenizer_key(name))
+            for file in self.engine.tokenizer_dir(name).iterdir():
+                if file.is_file() and file.name in TOKENIZER_FILES:
+                    shutil.copy2(file, folder / file.name)
+        now = self.clock.now()
+        with self.database.transaction() as db:
+            worker = db.get(Worker, self.worker_id) or Worker(id=self.worker_id, registered_at=now)
+            worker.hostname = socket.gethostname()
+            worker.device = str(self.engine.device)
+            worker.models = [
+                {"name": name, "max_context_length": info.max_context_length, "vocab_size": info.vocab_size}
+                for name, info in zip(models, infos, strict=True)
+            ]
+            worker.capacity_runs, worker.capacity_tokens = 10_000, 1 << 30
+            worker.status, worker.lease_expires_at = "live", now + timedelta(days=3650)
+            db.merge(worker)
+            db.execute(update(Operation).where(Operation.status == RUNNING).values(status=QUEUED))
+
+    # --- the loop body --------------------------------------------------------------------
+
+    def step(self) -> int:
+        """Execute everything ready now; returns how many operations finished."""
+        tasks = self._claim()
+        if not tasks:
+            return 0
+        outcomes: dict[str, Outcome] = {}
+        training = [t for t in tasks if t.kind is not OpKind.SAMPLE]
+        batchable = [t for t in training if t.kind is OpKind.FORWARD_BACKWARD]
+        outcomes.update(self.executor.forward_backward(batchable))
+        for task in training:
+            if task.kind is not OpKind.FORWARD_BACKWARD:
+                outcomes[task.id] = self.executor.run(task)
+        outcomes.update(self.executor.sample([t for t in tasks if t.kind is OpKind.SAMPLE]))
+        for task in tasks:
+            self._record(task, outcomes[task.id])
+        return len(tasks)
+
+    def _claim(self) -> list[Task]:
+        now = self.clock.now()
+        with self.database.transaction() as db:
+            self._release_gaps(db, now)
+            rows: list[tuple[Operation, str, str | None]] = []
+            earlier = aliased(Operation)
+            nothing_before = ~exists().where(
+                earlier.target_id == Operation.target_id,
+                earlier.status.in_((QUEUED, RUNNING)),
+                earlier.seq_id < Operation.seq_id,
+            )
+            training = db.execute(
+                select(Operation, TrainingRun.base_model)
+                .join(TrainingRun, TrainingRun.id == Operation.target_id)
+                .where(
+                    Operation.status == QUEUED,
+                    or_(
+                        Operation.seq_id == TrainingRun.executed_seq_id + 1,
+                        and_(Operation.seq_id == UNLOAD_SEQ, nothing_before),
+                    ),
+                )
+            ).all()
+            rows.extend((op, base, None) for op, base in training)
+            samples = db.execute(
+                select(Operation, SamplingSession.base_model, SamplingSession.model_version_id)
+                .join(SamplingSession, SamplingSession.id == Operation.target_id)
+                .where(Operation.status == QUEUED, Operation.kind == OpKind.SAMPLE.value)
+                .order_by(Operation.created_at)
+                .limit(self.max_sample_batch)
+            ).all()
+            rows.extend((op, base, version) for op, base, version in samples)
+            tasks = []
+            for op, base_model, version_id in rows:
+                op.status, op.started_at, op.attempts, op.worker_id = RUNNING, now, op.attempts + 1, self.worker_id
+                tasks.append(
+                    Task(
+                        id=op.id, kind=OpKind(op.kind), tenant_id=op.tenant_id, session_id=op.session_id,
+                        target_id=op.target_id, seq_id=op.seq_id, payload=op.payload,
+                        payload_codec=op.payload_codec, base_model=base_model, sampler_version_id=version_id,
+                    )
+                )
+            return tasks
+
+    def _release_gaps(self, db: OrmSession, now: Any) -> None:
+        """Skip seq_ids that never arrived, once a later op has waited past the gap timeout."""
+        waiting = db.execute(
+            select(TrainingRun, func.min(Operation.seq_id), func.min(Operation.created_at))
+            .join(Operation, Operation.target_id == TrainingRun.id)
+            .where(Operation.status == QUEUED, Operation.seq_id > TrainingRun.executed_seq_id + 1,
+                   Operation.seq_id < UNLOAD_SEQ)
+            .group_by(TrainingRun.id)
+        ).all()
+        for run, first_waiting, since in waiting:
+            assert first_waiting is not None
+            next_expected = run.executed_seq_id + 1
+            has_next = db.scalar(
+                select(func.count()).select_from(Operation).where(
+                    Operation.target_id == run.id, Operation.seq_id == next_expected
+                )
+            )
+            if not has_next and now - since >= self.gap_timeout:
+                log.warning("run %s: seq %d..%d never arrived; continuing with %d",
+                            run.id, next_expected, first_waiting - 1, first_waiting)
+                run.executed_seq_id = first_waiting - 1
+
+    def _record(self, task: Task, outcome: Outcome) -> None:
+        try:
+            self._store(task, outcome)
+        except TreadleError as exc:
+            # The engine work succeeded but its bookkeeping was refused (e.g. a checkpoint name
+            # taken meanwhile): report it as the op's error, leaving the rest unchanged.
+            self._store(task, Outcome.failed(exc.category, exc.message))
+        self.notifier.publish(task.id)
+
+    def _store(self, task: Task, outcome: Outcome) -> None:
+        with self.database.transaction() as db:
+            op = db.get(Operation, task.id)
+            if op is None or op.status != RUNNING:
+                return  # already recorded (a redelivery); never record twice
+            op.finished_at = self.clock.now()
+            if outcome.error is not None:
+                op.status, (op.error_category, op.error_message) = FAILED, outcome.error
+            else:
+                op.status, op.result, op.result_codec = DONE, outcome.result, outcome.codec
+                if outcome.apply is not None:
+                    outcome.apply(db)
+                record_usage(
+                    db, self.clock, tenant_id=task.tenant_id, session_id=task.session_id,
+                    operation_id=task.id, base_model=task.base_model, lines=outcome.usage,
+                )
+            if task.kind is not OpKind.SAMPLE and task.seq_id is not None:
+                run = db.get(TrainingRun, task.target_id)
+                if run is not None:
+                    run.executed_seq_id = max(run.executed_seq_id, task.seq_id)
+                    run.last_request_at = self.clock.now()
