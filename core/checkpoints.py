@@ -195,3 +195,21 @@ def set_public(version: ModelVersion, public: bool) -> None:
 def set_ttl(version: ModelVersion, clock: Clock, ttl_seconds: int | None) -> None:
     check_ttl(ttl_seconds)
     version.expires_at = clock.now() + timedelta(seconds=ttl_seconds) if ttl_seconds else None
+
+
+def live(version: ModelVersion, clock: Clock) -> bool:
+    """Ready, named and not expired: what listings show and paths resolve to."""
+    return version.status == READY and version.tinker_path is not None and not _expired(version, clock.now())
+
+
+def has_public(db: OrmSession, clock: Clock, run_id: str) -> bool:
+    """Whether any live checkpoint of `run_id` is published (its run is then readable by all)."""
+    now = clock.now()
+    found = db.scalar(
+        select(ModelVersion.id)
+        .where(ModelVersion.training_run_id == run_id, ModelVersion.public.is_(True), ModelVersion.status == READY,
+               ModelVersion.tinker_path.is_not(None),
+               or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now))
+        .limit(1)
+    )
+    return found is not None
