@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     expiry_sweep_seconds: float = 15.0
     long_poll_seconds: float = 25.0
     max_request_bytes: int = 64 * 1024 * 1024
+    # Datums per forward_backward request the tinker SDK sends (it splits larger batches);
+    # None keeps the SDK's default.
+    fwdbwd_max_chunk_len: int | None = None
     telemetry_max_bytes: int = 1024 * 1024
     telemetry_per_minute: int = 120
 

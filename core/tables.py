@@ -58,12 +58,12 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {
+    type_annotation_map = {  # noqa: RUF012
         datetime: UTCDateTime,
         dict[str, Any]: JSON,
         list[str]: JSON,
         list[dict[str, Any]]: JSON,
-    }  # noqa: RUF012
+    }
 
 
 class Tenant(Base):

@@ -25,9 +25,11 @@ router = APIRouter(prefix="/api/v1", tags=["client"])
 @router.post(
     "/client/config", response_model=ClientConfigResponse, response_model_exclude_none=True
 )
-def client_config(_: ClientConfigRequest) -> ClientConfigResponse:
+def client_config(_: ClientConfigRequest, state: State) -> ClientConfigResponse:
     # Plain httpx keeps one HTTP stack on both sides; everything else keeps the SDK defaults.
-    return ClientConfigResponse(use_pyqwest_transport=False)
+    return ClientConfigResponse(
+        use_pyqwest_transport=False, fwdbwd_max_chunk_len=state.settings.fwdbwd_max_chunk_len
+    )
 
 
 @router.post(
