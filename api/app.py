@@ -14,7 +14,18 @@ from api.deps import AppState
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
 from api.ratelimit import TokenBuckets
-from api.routes import client, futures, models, sampling, sessions, training, weights
+from api.routes import (
+    artifacts,
+    checkpoints,
+    client,
+    futures,
+    models,
+    runs,
+    sampling,
+    sessions,
+    training,
+    weights,
+)
 from core import sessions as session_service
 from core.clock import Clock, SystemClock
 from core.db import Database
@@ -68,7 +79,18 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)
     app.state.treadle = state
     install_error_handlers(app)
-    for module in (client, sessions, training, weights, sampling, futures, models):
+    for module in (
+        client,
+        sessions,
+        training,
+        weights,
+        sampling,
+        futures,
+        models,
+        runs,
+        checkpoints,
+        artifacts,
+    ):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     return app

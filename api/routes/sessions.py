@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel
 
 from api.deps import CurrentPrincipal, DbSession, State
+from api.routes.checkpoints import string_metadata
 from core import sessions
 from treadle.types import (
     CreateSessionRequest,
     CreateSessionResponse,
     FinishSessionRequest,
     FinishSessionResponse,
+    GetSessionResponse,
+    ListSessionsResponse,
     SessionHeartbeatRequest,
     SessionHeartbeatResponse,
 )
@@ -19,17 +21,11 @@ from treadle.types import (
 router = APIRouter(prefix="/api/v1", tags=["sessions"])
 
 
-class ListSessionsResponse(BaseModel):
-    sessions: list[str]
+class SessionDetail(GetSessionResponse):
+    """tinker's GetSessionResponse plus Treadle's extras, which the tinker SDK ignores."""
 
-
-class GetSessionResponse(BaseModel):
     session_id: str
     status: str
-    training_run_ids: list[str]
-    sampler_ids: list[str]
-    user_metadata: dict[str, object] | None = None
-    display_name: str | None = None
     tags: list[str]
 
 
@@ -96,14 +92,14 @@ def list_sessions(
     return ListSessionsResponse(sessions=[row.id for row in rows])
 
 
-@router.get("/sessions/{session_id}", response_model=GetSessionResponse)
+@router.get("/sessions/{session_id}", response_model=SessionDetail)
 def get_session(
     session_id: str,
     principal: CurrentPrincipal,
     db: DbSession,
     state: State,
     access_scope: str | None = None,
-) -> GetSessionResponse:
+) -> SessionDetail:
     session = sessions.get_session(
         db,
         state.clock,
@@ -112,12 +108,12 @@ def get_session(
         ttl_seconds=state.settings.session_ttl_seconds,
     )
     run_ids, sampler_ids = sessions.children(db, session.id)
-    return GetSessionResponse(
+    return SessionDetail(
         session_id=session.id,
         status=session.status,
         training_run_ids=run_ids,
         sampler_ids=sampler_ids,
-        user_metadata=session.user_metadata,
+        user_metadata=string_metadata(session.user_metadata),
         display_name=session.display_name,
         tags=session.tags,
     )

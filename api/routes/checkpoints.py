@@ -1,0 +1,224 @@
+"""Checkpoints of a tenant's training runs: listing, deleting, publishing, TTLs, downloads.
+
+Checkpoint ids are `<weights|sampler_weights|external_weights>/<name>` and appear unencoded in
+paths, so they are routed with a converter matching exactly two segments: a checkpoint named
+`publish` or `ttl` can still be deleted, and suffix routes cannot swallow one another. A foreign
+checkpoint answers 404 exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timedelta
+from pathlib import Path
+from urllib.parse import quote
+
+from fastapi import APIRouter, Query, Request
+from starlette.convertors import Convertor, register_url_convertor
+
+from api.deps import CurrentPrincipal, DbSession, State
+from core import checkpoints, runs, signing
+from core.clock import Clock
+from core.errors import NotFound
+from core.tables import ModelPackage, ModelVersion
+from treadle.types import (
+    Checkpoint,
+    CheckpointsListResponse,
+    Cursor,
+    ExternalWeightsUrlsResponse,
+    SetCheckpointTtlRequest,
+    WeightsInfoRequest,
+    WeightsInfoResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/api/v1", tags=["checkpoints"])
+
+# Long enough to fetch a large export, short enough that a leaked link soon stops working.
+DOWNLOAD_URL_SECONDS = 3600
+
+
+class CheckpointIdConvertor(Convertor[str]):
+    regex = "[^/]+/[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("checkpoint_id", CheckpointIdConvertor())
+
+CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:checkpoint_id}"
+
+
+def string_metadata(metadata: dict[str, object] | None) -> dict[str, str] | None:
+    """The wire types carry `{str: str}`; other JSON values are sent as their JSON text."""
+    if metadata is None:
+        return None
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+
+
+def checkpoint_view(version: ModelVersion) -> Checkpoint:
+    assert version.tinker_path is not None
+    _, kind, name = checkpoints.parse_tinker_path(version.tinker_path)
+    return Checkpoint(
+        checkpoint_id=f"{checkpoints.SEGMENT_BY_KIND[kind]}/{name}",
+        checkpoint_type=kind,
+        time=version.created_at,
+        tinker_path=version.tinker_path,
+        size_bytes=version.size_bytes,
+        public=version.public,
+        user_metadata=string_metadata(version.user_metadata),
+        expires_at=version.expires_at,
+    )
+
+
+def _listing(
+    rows: list[ModelVersion], total: int, limit: int, offset: int
+) -> CheckpointsListResponse:
+    return CheckpointsListResponse(
+        checkpoints=[checkpoint_view(row) for row in rows],
+        cursor=Cursor(offset=offset, limit=limit, total_count=total),
+    )
+
+
+@router.get("/checkpoints", response_model=CheckpointsListResponse)
+def list_user_checkpoints(
+    principal: CurrentPrincipal,
+    db: DbSession,
+    state: State,
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> CheckpointsListResponse:
+    """The caller's live checkpoints across all its runs, newest first."""
+    rows, total = checkpoints.list_checkpoints(
+        db, state.clock, principal.tenant_id, run_id=None, limit=limit, offset=offset
+    )
+    return _listing(rows, total, limit, offset)
+
+
+@router.get("/training_runs/{run_id}/checkpoints", response_model=CheckpointsListResponse)
+def list_run_checkpoints(
+    run_id: str,
+    principal: CurrentPrincipal,
+    db: DbSession,
+    state: State,
+    limit: int = Query(1000, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> CheckpointsListResponse:
+    runs.get_run(db, principal.tenant_id, run_id)
+    rows, total = checkpoints.list_checkpoints(
+        db, state.clock, principal.tenant_id, run_id=run_id, limit=limit, offset=offset
+    )
+    return _listing(rows, total, limit, offset)
+
+
+@router.post(CHECKPOINT + "/publish", status_code=204)
+def publish(run_id: str, checkpoint_id: str, principal: CurrentPrincipal, state: State) -> None:
+    """Make the checkpoint readable (sampling, loading, weights_info) by every tenant."""
+    with state.database.transaction() as db:
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        checkpoints.set_public(version, True)
+
+
+@router.delete(CHECKPOINT + "/publish", status_code=204)
+def unpublish(run_id: str, checkpoint_id: str, principal: CurrentPrincipal, state: State) -> None:
+    """Make the checkpoint private again; unpublishing a private one changes nothing."""
+    with state.database.transaction() as db:
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        checkpoints.set_public(version, False)
+
+
+@router.put(CHECKPOINT + "/ttl", status_code=204)
+def set_ttl(
+    run_id: str,
+    checkpoint_id: str,
+    body: SetCheckpointTtlRequest,
+    principal: CurrentPrincipal,
+    state: State,
+) -> None:
+    """Expire the checkpoint `ttl_seconds` from now (1 hour to 10 years), or never with null."""
+    with state.database.transaction() as db:
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        checkpoints.set_ttl(version, state.clock, body.ttl_seconds)
+
+
+@router.get(CHECKPOINT + "/external_weights_urls", response_model=ExternalWeightsUrlsResponse)
+def external_weights_urls(
+    run_id: str,
+    checkpoint_id: str,
+    request: Request,
+    principal: CurrentPrincipal,
+    db: DbSession,
+    state: State,
+) -> ExternalWeightsUrlsResponse:
+    """A signed URL per file of the checkpoint, fetchable without an API key until `expires`."""
+    version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+    root = _artifact_root(state, version)
+    expires = _download_expiry(version, state.clock)
+    base = (state.settings.public_url or str(request.base_url)).rstrip("/")
+    urls: dict[str, str] = {}
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        relpath = file.relative_to(root).as_posix()
+        token = signing.sign_download(state.server_secret, version.id, relpath, expires)
+        urls[relpath] = f"{base}/api/v1/artifacts/{token}/{quote(relpath)}"
+    return ExternalWeightsUrlsResponse(urls=urls, expires=expires)
+
+
+@router.delete(CHECKPOINT, status_code=204)
+def delete_checkpoint(
+    run_id: str, checkpoint_id: str, principal: CurrentPrincipal, state: State
+) -> None:
+    """Retire the checkpoint (its path is free again) and remove its files."""
+    with state.database.transaction() as db:
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        uri = checkpoints.mark_deleted(version)
+    # Only once the row is committed: a crash in between leaves an orphaned folder, never a
+    # live checkpoint without files.
+    if uri is not None:
+        try:
+            state.store.delete(uri)
+        except OSError:
+            logger.exception("removing the files of deleted checkpoint %s failed", uri)
+
+
+@router.post("/weights_info", response_model=WeightsInfoResponse)
+def weights_info(
+    body: WeightsInfoRequest, principal: CurrentPrincipal, db: DbSession, state: State
+) -> WeightsInfoResponse:
+    """What a client needs to load the checkpoint: base model and LoRA shape."""
+    version = checkpoints.resolve(db, state.clock, principal.tenant_id, body.tinker_path)
+    package = db.get(ModelPackage, version.package_id)
+    assert package is not None
+    lora = version.lora_config or {}
+    rank = lora.get("rank")
+    return WeightsInfoResponse(
+        base_model=package.base_model,
+        is_lora=True,
+        lora_rank=int(rank) if rank is not None else None,
+        train_unembed=bool(lora.get("train_unembed", True)),
+        train_mlp=bool(lora.get("train_mlp", True)),
+        train_attn=bool(lora.get("train_attn", True)),
+    )
+
+
+def _artifact_root(state: State, version: ModelVersion) -> Path:
+    try:
+        if version.artifact_uri is None:
+            raise FileNotFoundError(version.id)
+        return state.store.open_dir(version.artifact_uri)
+    except FileNotFoundError as exc:
+        raise NotFound(
+            f"the files of {version.tinker_path} are gone; save the weights again"
+        ) from exc
+
+
+def _download_expiry(version: ModelVersion, clock: Clock) -> datetime:
+    expires = clock.now() + timedelta(seconds=DOWNLOAD_URL_SECONDS)
+    if version.expires_at is not None:
+        expires = min(expires, version.expires_at)
+    return expires.replace(microsecond=0)
