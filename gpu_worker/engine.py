@@ -22,10 +22,8 @@ import numpy as np
 import torch
 
 from gpu_worker import checkpoint, sampling
-from gpu_worker.batching import Segment, forward_logprobs
 from gpu_worker.catalog import Catalog, ModelEntry, count_parameters
 from gpu_worker.lora import LoraAdapter, LoraContext, MultiLoraLinear, adapter_shapes, inject
-from gpu_worker.losses import LOSSES
 from gpu_worker.protocol import (
     AdamParams,
     Datum,
@@ -40,6 +38,7 @@ from gpu_worker.protocol import (
     Usage,
     UserInputError,
 )
+from gpu_worker.training import TrainOp, run_ops
 from gpu_worker.validation import (
     CheckedDatum,
     check_adam,
@@ -58,6 +57,9 @@ class EngineSettings:
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "fp32", "bf16-autocast", "bf16"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     max_lora_rank: int = 128
+    # Datums are packed into passes of at most this many tokens (None: 512 on CPU, where
+    # small passes stay in cache, and 16384 on CUDA).
+    max_tokens_per_pass: int | None = None
     models: tuple[str, ...] = ()  # loaded at start; others load on first use
     catalog_entries: tuple[ModelEntry, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
@@ -109,6 +111,8 @@ class Engine:
             raise ValueError(f"precision {precision!r}: use auto, fp32, bf16-autocast or bf16")
         self.weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.autocast_dtype = torch.bfloat16 if precision.startswith("bf16") else None
+        self.max_tokens_per_pass = self.settings.max_tokens_per_pass or (
+            16384 if on_cuda else 512)
         self.catalog = Catalog(list(self.settings.catalog_entries), self.settings.aliases,
                                self.settings.cache_dir)
         self._models: dict[str, _Model] = {}
@@ -249,40 +253,10 @@ class Engine:
 
     def _execute(self, prepared: list[_Prepared]) -> list[ForwardBackwardResult]:
         m = prepared[0].run.model
-        forward_only = prepared[0].op.forward_only
-        segments = [Segment(p.run.adapter, p.datums) for p in prepared]
-        snapshot = {id(p): p.grad.clone() if p.grad is not None else None
-                    for pr in prepared for p in pr.run.adapter.parameters()}
-        results: list[ForwardBackwardResult] = []
-        with torch.set_grad_enabled(not forward_only):
-            seg_out = forward_logprobs(m.model, m.ctx, segments, self.device, self.autocast_dtype)
-            total: torch.Tensor | None = None
-            for p, s in zip(prepared, seg_out, strict=True):
-                loss = LOSSES[p.op.loss_fn](s.logp, s.inputs, s.datum_N, len(s.lengths), p.config)
-                total = loss.loss if total is None else total + loss.loss
-                results.append(self._result(s, loss.elementwise_N, loss.metrics))
-            if not forward_only and total is not None and total.requires_grad:
-                try:
-                    total.backward()
-                except Exception:
-                    for pr in prepared:  # restore the gradients accumulated before this op
-                        for prm in pr.run.adapter.parameters():
-                            prm.grad = snapshot[id(prm)]
-                    raise
-        return results
-
-    @staticmethod
-    def _result(s: object, elementwise_N: torch.Tensor, metrics: dict[str, float]
-                ) -> ForwardBackwardResult:
-        lengths: list[int] = s.lengths  # type: ignore[attr-defined]
-        logp = s.logp.detach().float().cpu().numpy()  # type: ignore[attr-defined]
-        elem = elementwise_N.float().cpu().numpy()
-        outputs, start = [], 0
-        for n in lengths:
-            outputs.append({"logprobs": logp[start:start + n].copy(),
-                            "elementwise_loss": elem[start:start + n].copy()})
-            start += n
-        return ForwardBackwardResult(outputs, metrics, Usage(trained_tokens=sum(lengths)))
+        ops = [TrainOp(p.run.adapter, p.datums, p.op.loss_fn, p.config) for p in prepared]
+        return run_ops(m.model, m.ctx, ops, backward=not prepared[0].op.forward_only,
+                       device=self.device, autocast_dtype=self.autocast_dtype,
+                       max_tokens_per_pass=self.max_tokens_per_pass)
 
     def optim_step(self, run_id: str, adam: AdamParams) -> OptimStepResult:
         with self._lock:

@@ -80,7 +80,10 @@ class RowGroup:
 
 @dataclass
 class LoraContext:
-    """The row-to-adapter assignment every wrapped layer of one model reads during a pass."""
+    """The row-to-adapter assignment every wrapped layer of one model reads during a pass.
+
+    Groups must tile the batch's first dimension in order: [0, e1), [e1, e2), … [ek, B).
+    """
 
     groups: list[RowGroup] = field(default_factory=list)
 
@@ -100,15 +103,18 @@ class MultiLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         groups = self.ctx.groups
-        if not groups:
+        present = [self._has(g) for g in groups]
+        if not any(present):
             return y
-        if len(groups) == 1 and groups[0].start == 0 and groups[0].end == x.shape[0]:
-            return y + self._delta(x, groups[0].adapter) if self._has(groups[0]) else y
-        pieces = []
-        for g in groups:
-            y_g = y[g.start:g.end]
-            pieces.append(y_g + self._delta(x[g.start:g.end], g.adapter) if self._has(g) else y_g)
-        return torch.cat(pieces, dim=0)
+        if len(groups) == 1:
+            return y + self._delta(x, groups[0].adapter)
+        # Groups tile the batch in order. split() (not per-group slicing) keeps the backward
+        # to one concatenation instead of one full-size zero-filled gradient per group.
+        xs = x.split([g.end - g.start for g in groups], dim=0)
+        deltas = [self._delta(x_g, g.adapter) if has
+                  else x_g.new_zeros(*x_g.shape[:-1], self.out_features)
+                  for x_g, g, has in zip(xs, groups, present, strict=True)]
+        return y + torch.cat(deltas, dim=0)
 
     def _has(self, g: RowGroup) -> bool:
         return g.adapter is not None and self.name in g.adapter.weights
