@@ -19,6 +19,7 @@ VOCAB = 1024
 
 @pytest.fixture(scope="session")
 def engine() -> Engine:
+    # TREADLE_TEST_DEVICE=cuda runs the same suite on a GPU (in fp32, so references match).
     device = os.environ.get("TREADLE_TEST_DEVICE", "cpu")
     return Engine(EngineSettings(device=device, precision="fp32", num_threads=1,
                                  max_lora_rank=64, aliases={"Qwen/Qwen3-8B": TINY}))
@@ -38,8 +39,9 @@ def adapter_grads(engine: Engine, run_id: str) -> dict[str, torch.Tensor]:
     adapter = engine._runs[run_id].adapter
     out = {}
     for name, (a, b) in adapter.weights.items():
-        out[f"{name}.A"] = a.grad.detach().clone() if a.grad is not None else torch.zeros_like(a)
-        out[f"{name}.B"] = b.grad.detach().clone() if b.grad is not None else torch.zeros_like(b)
+        for key, p in ((f"{name}.A", a), (f"{name}.B", b)):
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[key] = grad.detach().to("cpu", torch.float32).clone()
     return out
 
 

@@ -69,7 +69,7 @@ def test_five_steps_match_peft_adamw(engine):
         for name, (a, b) in adapter.weights.items():
             for ab, mine in (("A", a), ("B", b)):
                 theirs = named[f"base_model.model.{name}.lora_{ab}.default.weight"]
-                diffs.append((mine.detach() - theirs.detach()).abs().flatten())
+                diffs.append((mine.detach().cpu() - theirs.detach()).abs().flatten())
         diff = torch.cat(diffs)
         assert float((diff > 1e-4).float().mean()) < 1e-3
         assert float(diff.max()) < ADAM.learning_rate / 5
