@@ -228,9 +228,10 @@ def main() -> None:
         report["memory"] = bench_memory(engine, args.model, 4 if args.quick else 16, 32)
     if "training" in only:
         report["training"] = bench_training(engine, args.model, rows, length, 32, repeats)
-    if "batching" in only:
+    if "batching" in only:  # long sequences per run, then short RL-style ones
         report["batching"] = bench_batching(engine, args.model, 64 if args.quick else 256,
                                             repeats)
+        report["batching_short"] = bench_batching(engine, args.model, 32, repeats)
     if "sampling" in only:
         report["sampling"] = bench_sampling(engine, args.model, 8 if args.quick else 32, repeats)
     print(json.dumps(report, indent=2))
