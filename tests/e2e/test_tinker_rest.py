@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import tinker
+from click.testing import CliRunner
 from sqlalchemy import select
 from tinker import types
+from tinker.cli.__main__ import main_cli
 
 from core.signing import sign_download
 from core.tables import ModelVersion
@@ -312,3 +315,38 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(world: World) -> None:
         before.public,
         before.expires_at,
     )
+
+
+def _tinker_cli(world: World, home: Path, *args: str) -> Any:
+    """Run the `tinker` CLI in this process (a subprocess spends seconds importing tinker)."""
+    env = {
+        "HOME": str(home),
+        "TINKER_BASE_URL": world.server.base_url,
+        "TINKER_API_KEY": world.owner_key,
+    }
+    result = CliRunner().invoke(main_cli, ["-f", "json", *args], env=env, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_tinker_cli_lists_and_downloads_checkpoints(world: World, tmp_path: Path) -> None:
+    runs = _tinker_cli(world, tmp_path, "run", "list")
+    assert world.run_id in json.dumps(runs)
+    external = world.version(world.external_path)
+    assert external is not None and external.artifact_uri is not None
+    stored = Path(external.artifact_uri.removeprefix("file://"))
+    _tinker_cli(
+        world, tmp_path, "checkpoint", "download", world.external_path, "-o", str(tmp_path / "x")
+    )
+    got = tmp_path / "x" / world.external_path.removeprefix("tinker://").replace("/", "_")
+    for file in (p for p in stored.rglob("*") if p.is_file()):
+        assert (got / file.relative_to(stored)).read_bytes() == file.read_bytes()
+
+    # A training checkpoint goes through a temporary export, deleted after the download.
+    before = _paths(world.rest().list_user_checkpoints().result())
+    _tinker_cli(
+        world, tmp_path, "checkpoint", "download", world.state_path, "-o", str(tmp_path / "t")
+    )
+    got = tmp_path / "t" / world.state_path.removeprefix("tinker://").replace("/", "_")
+    assert {p.name for p in got.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert _paths(world.rest().list_user_checkpoints().result()) == before
