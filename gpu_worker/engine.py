@@ -171,7 +171,7 @@ class Engine:
 
     def _new_run(self, run_id: str, m: _Model, lora: LoraSpec) -> _Run:
         adapter = LoraAdapter(lora, adapter_shapes(m.wrapped, lora), self.device)
-        optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4, foreach=False)
+        optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4, foreach=True)
         return _Run(run_id, m, adapter, optimizer)
 
     def remove_run(self, run_id: str) -> None:

@@ -122,7 +122,8 @@ class MultiLoraLinear(nn.Module):
     def _delta(self, x: torch.Tensor, adapter: LoraAdapter | None) -> torch.Tensor:
         assert adapter is not None
         a_rI, b_Or = adapter.weights[self.name]
-        return F.linear(F.linear(x, a_rI.to(x.dtype)), b_Or.to(x.dtype)) * adapter.scale
+        # scale the rank-sized intermediate, not the (larger) output
+        return F.linear(F.linear(x, a_rI.to(x.dtype)) * adapter.scale, b_Or.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"{self.name}: in={self.in_features}, out={self.out_features}"
