@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     torch_threads: int = 1
     engine_max_lora_rank: int = 128
     gap_timeout_seconds: float = 120.0
+    # Save each run's full state every this many optimizer steps; recovery replays the rest.
+    snapshot_every_steps: int = 10
     max_queued_samples: int = 2048
     engine_start_timeout_seconds: float = 120.0
 

@@ -101,7 +101,7 @@ class Executor:
         ops: list[tuple[Task, ep.ForwardBackwardOp]] = []
         for task in tasks:
             try:
-                request = decode_forward_backward_request(decode_payload(task.payload, task.payload_codec))
+                request = decode_forward_backward_request(task.payload, content_encoding=_encoding(task))
                 op = ep.ForwardBackwardOp(
                     run_id=task.target_id, data=convert.datums(request), loss_fn=request.loss_fn,
                     loss_fn_config=convert.loss_config(request), forward_only=request.forward_only,
@@ -177,6 +177,28 @@ class Executor:
         }
         return _guarded(task, lambda: handlers[task.kind](task))
 
+    def replay(self, task: Task) -> None:
+        """Re-apply a recorded op's effect on the engine (recovery); its result is not kept."""
+        if task.kind is OpKind.FORWARD_BACKWARD:
+            request = decode_forward_backward_request(task.payload, content_encoding=_encoding(task))
+            if not request.forward_only:
+                self.engine.forward_backward(task.target_id, convert.datums(request), request.loss_fn,
+                                             convert.loss_config(request))
+        elif task.kind is OpKind.OPTIM_STEP:
+            self._optim_step(task)
+        elif task.kind in (OpKind.CREATE_MODEL, OpKind.LOAD_WEIGHTS, OpKind.UNLOAD_MODEL):
+            outcome = self.run(task)
+            if outcome.error is not None:
+                raise RuntimeError(f"replaying {task.kind} seq {task.seq_id} failed: {outcome.error[1]}")
+        # Saves changed nothing on the engine: their artifacts are already stored.
+
+    def snapshot(self, task: Task) -> tuple[str, str]:
+        """Save the run's full state (after an optimizer step); returns (key, uri)."""
+        key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/snapshots/{task.seq_id}"
+        folder = self.store.local_dir(key)
+        self.engine.save_state(task.target_id, folder, include_optimizer=True)
+        return key, self.store.uri(key)
+
     def _create_model(self, task: Task) -> Outcome:
         payload = decode_json_payload(task.payload, task.payload_codec)
         self.engine.create_run(task.target_id, payload["base_model"], convert.lora_spec(payload["lora_config"]))
@@ -188,8 +210,19 @@ class Executor:
             task.target_id, self.store.open_dir(payload["artifact_uri"]),
             include_optimizer=bool(payload["optimizer"]), base_model=payload["base_model"],
         )
-        return Outcome.json(LoadWeightsResponse(path=payload["path"], model_id=task.target_id),
-                            apply=_activate(task.target_id))
+
+        def apply(db: OrmSession) -> None:
+            _activate(task.target_id)(db)
+            run = db.get(TrainingRun, task.target_id)
+            if run is None:
+                return
+            # Follow the engine's step counter: the checkpoint's with the optimizer, else 0.
+            if not payload["optimizer"]:
+                run.optim_steps = 0
+            elif (version := checkpoints.find_by_path(db, payload["path"])) and version.step is not None:
+                run.optim_steps = version.step
+
+        return Outcome.json(LoadWeightsResponse(path=payload["path"], model_id=task.target_id), apply=apply)
 
     def _optim_step(self, task: Task) -> Outcome:
         request = OptimStepRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
@@ -277,6 +310,11 @@ class Executor:
                 run.status = runs.UNLOADED
 
         return Outcome.json(UnloadModelResponse(model_id=task.target_id), apply=apply)
+
+
+def _encoding(task: Task) -> str:
+    """forward_backward payloads are the protobuf body, stored as `proto+<compression>`."""
+    return task.payload_codec.partition("+")[2]
 
 
 def _activate(run_id: str) -> Callable[[OrmSession], None]:

@@ -31,6 +31,7 @@ from scheduler.execute import Executor, Outcome
 from scheduler.models import tokenizer_key
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
+from scheduler.recovery import RestoreImpossible, restore_run
 from scheduler.submit import DONE, FAILED, QUEUED, RUNNING, UNLOAD_SEQ
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class WorkerHost:
         worker_id: str = "embedded",
         gap_timeout_seconds: float = 120.0,
         max_sample_batch: int = 64,
+        snapshot_every_steps: int = 10,
     ) -> None:
         self.database = database
         self.clock = clock
@@ -90,6 +92,8 @@ class WorkerHost:
         self.worker_id = worker_id
         self.gap_timeout = timedelta(seconds=gap_timeout_seconds)
         self.max_sample_batch = max_sample_batch
+        self.store = store
+        self.snapshot_every_steps = snapshot_every_steps
         self.executor = Executor(engine, store, database, clock)
 
     # --- start-up -------------------------------------------------------------------------
@@ -128,7 +132,15 @@ class WorkerHost:
         if not tasks:
             return 0
         outcomes: dict[str, Outcome] = {}
-        training = [t for t in tasks if t.kind is not OpKind.SAMPLE]
+        training = []
+        for task in tasks:
+            if task.kind is OpKind.SAMPLE:
+                continue
+            lost = self._ensure_loaded(task)
+            if lost is None:
+                training.append(task)
+            else:
+                outcomes[task.id] = lost
         batchable = [t for t in training if t.kind is OpKind.FORWARD_BACKWARD]
         outcomes.update(self.executor.forward_backward(batchable))
         for task in training:
@@ -137,7 +149,43 @@ class WorkerHost:
         outcomes.update(self.executor.sample([t for t in tasks if t.kind is OpKind.SAMPLE]))
         for task in tasks:
             self._record(task, outcomes[task.id])
+            if task.kind is OpKind.OPTIM_STEP and outcomes[task.id].error is None:
+                self._maybe_snapshot(task)
         return len(tasks)
+
+    def _ensure_loaded(self, task: Task) -> Outcome | None:
+        """Restore a run this engine does not hold; a failure outcome if that is impossible."""
+        if task.seq_id == 0 or task.target_id in self.engine.run_ids():
+            return None
+        try:
+            restore_run(self.engine, self.store, self.database, self.executor, task.target_id, Task)
+        except RestoreImpossible as exc:
+            return Outcome.failed("server", str(exc))
+        except Exception as exc:
+            log.exception("restoring %s failed", task.target_id)
+            return Outcome.failed("server", f"restoring training run {task.target_id} failed ({exc}); "
+                                  "create a new training client from your last checkpoint")
+        return None
+
+    def _maybe_snapshot(self, task: Task) -> None:
+        """Every few optimizer steps, save the run's state so recovery replays only a little."""
+        with self.database.reader() as db:
+            run = db.get(TrainingRun, task.target_id)
+            due = run is not None and run.optim_steps % self.snapshot_every_steps == 0
+            previous = run.snapshot_uri if run is not None else None
+        if not due:
+            return
+        try:
+            _, uri = self.executor.snapshot(task)
+        except Exception:
+            log.exception("snapshot of %s failed; recovery will replay from the previous one", task.target_id)
+            return
+        with self.database.transaction() as db:
+            run = db.get(TrainingRun, task.target_id)
+            if run is not None:
+                run.snapshot_seq_id, run.snapshot_uri = task.seq_id, uri
+        if previous is not None and previous != uri:
+            self.store.delete(previous)
 
     def _claim(self) -> list[Task]:
         now = self.clock.now()

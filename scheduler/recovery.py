@@ -1,0 +1,94 @@
+"""Bringing a training run back onto an engine: its latest snapshot, then the op log after it.
+
+Needed when a worker is asked to run an op for a run it does not hold: the run moved here
+after its worker died, or an embedded server restarted. Replay changes the engine only: the
+replayed ops' results were recorded (and billed) the first time and stay exactly as they were.
+Snapshots are taken right after an optimizer step, when no gradients are pending, so replay
+from the op after a snapshot reproduces the run's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sqlalchemy import select
+
+from core.db import Database
+from core.objectstore import ArtifactStore
+from core.tables import Operation, TrainingRun
+from scheduler.ops import OpKind
+from scheduler.submit import DONE
+
+if TYPE_CHECKING:
+    from gpu_worker.engine import Engine
+    from scheduler.execute import Executor
+    from scheduler.worker_host import Task
+
+log = logging.getLogger(__name__)
+
+
+class RestoreImpossible(Exception):
+    """The run cannot be rebuilt; the message says why, for the failed futures."""
+
+
+def restore_run(
+    engine: Engine,
+    store: ArtifactStore,
+    database: Database,
+    executor: Executor,
+    run_id: str,
+    task_factory: type[Task],
+) -> int:
+    """Load the run's latest snapshot and replay what ran after it; returns ops replayed."""
+    with database.reader() as db:
+        run = db.get(TrainingRun, run_id)
+        if run is None:
+            raise RestoreImpossible(f"training run {run_id} no longer exists")
+        start = run.snapshot_seq_id if run.snapshot_uri else -1
+        snapshot_uri = run.snapshot_uri
+        ops = db.scalars(
+            select(Operation)
+            .where(
+                Operation.target_id == run_id,
+                Operation.status == DONE,
+                Operation.seq_id > start,
+                Operation.seq_id <= run.executed_seq_id,
+            )
+            .order_by(Operation.seq_id)
+        ).all()
+        tasks = [
+            task_factory(
+                id=op.id,
+                kind=OpKind(op.kind),
+                tenant_id=op.tenant_id,
+                session_id=op.session_id,
+                target_id=op.target_id,
+                seq_id=op.seq_id,
+                payload=op.payload,
+                payload_codec=op.payload_codec,
+                base_model=run.base_model,
+            )
+            for op in ops
+        ]
+    if snapshot_uri is not None:
+        try:
+            engine.load_state(run_id, store.open_dir(snapshot_uri), include_optimizer=True)
+        except FileNotFoundError as exc:
+            raise RestoreImpossible(
+                f"the snapshot of {run_id} is missing from the artifact store"
+            ) from exc
+    elif not tasks or tasks[0].seq_id != 0:
+        raise RestoreImpossible(
+            f"training run {run_id} was lost with its worker and has no snapshot to restore from; "
+            "create a new training client from your last checkpoint"
+        )
+    for task in tasks:
+        executor.replay(task)
+    log.info(
+        "restored %s from %s and replayed %d ops",
+        run_id,
+        "a snapshot" if snapshot_uri else "its creation",
+        len(tasks),
+    )
+    return len(tasks)
