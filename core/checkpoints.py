@@ -182,9 +182,14 @@ def latest_of_kind(db: OrmSession, run_id: str, kind: str) -> ModelVersion | Non
 
 
 def mark_deleted(version: ModelVersion) -> str | None:
-    """Retire a version; returns its artifact URI for the caller to remove."""
+    """Retire a version; returns its artifact URI for the caller to remove.
+
+    The URI is cleared too, so anything still holding the version (a sampling session on it)
+    learns the weights are gone instead of opening a missing folder.
+    """
+    uri, version.artifact_uri = version.artifact_uri, None
     version.status, version.tinker_path = DELETED, None
-    return version.artifact_uri
+    return uri
 
 
 def set_public(version: ModelVersion, public: bool) -> None:

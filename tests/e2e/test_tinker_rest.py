@@ -246,6 +246,18 @@ def test_deleted_checkpoint_is_gone_everywhere(world: World) -> None:
     assert trainer.save_weights_external("doomed").result().path == path
 
 
+def test_sampling_client_on_a_deleted_checkpoint_gets_a_user_error(world: World) -> None:
+    trainer = world.owner.create_lora_training_client(base_model=MODEL, rank=4).result()
+    path = trainer.save_weights_for_sampler("short-lived").result().path
+    sampler = world.owner.create_sampling_client(model_path=path).result()
+    world.rest().delete_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.RequestFailedError, match="deleted") as failed:
+        sampler.sample(
+            types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+    assert failed.value.category == "user"
+
+
 def test_every_endpoint_answers_404_for_foreign_ids(world: World) -> None:
     run = world.run_id
     with world.http(world.other_key) as http:
