@@ -1,7 +1,85 @@
-"""Treadle client: wire types and (soon) the customer-facing clients.
+"""Treadle client: drive LoRA training and sampling loops on a remote Treadle server.
 
-This package knows nothing of the server's internals; the server imports its wire types so the
-two cannot drift.
+```python
+import treadle
+from treadle import types
+
+with treadle.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-...") as service:
+    trainer = service.create_lora_training_client("treadle/tiny-1m", rank=8)
+    fwd = trainer.forward_backward(batch, "cross_entropy")
+    step = trainer.optim_step(types.AdamParams(learning_rate=1e-3))
+    print(fwd.result().metrics["loss:sum"])
+```
+
+This package knows nothing of the server's internals; the server imports its wire types
+(`treadle.types`) so the two cannot drift. Importing it never imports torch, numpy or
+transformers.
 """
 
 __version__ = "0.1.0"
+
+from treadle import types
+from treadle._http import RetryPolicy
+from treadle.client import RestClient, SamplingClient, ServiceClient, TrainingClient
+from treadle.errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    FutureExpiredError,
+    InternalServerError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    RateLimitError,
+    RequestFailedError,
+    SessionExpiredError,
+    TreadleError,
+)
+from treadle.futures import APIFuture
+from treadle.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraConfig,
+    ModelInput,
+    SampleResponse,
+    SamplingParams,
+    TensorData,
+)
+
+__all__ = [
+    "APIConnectionError",
+    "APIFuture",
+    "APIStatusError",
+    "APITimeoutError",
+    "AdamParams",
+    "AuthenticationError",
+    "BadRequestError",
+    "Datum",
+    "ForwardBackwardOutput",
+    "FutureExpiredError",
+    "InternalServerError",
+    "LoraConfig",
+    "ModelInput",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "QuotaExceededError",
+    "RateLimitError",
+    "RequestFailedError",
+    "RestClient",
+    "RetryPolicy",
+    "SampleResponse",
+    "SamplingClient",
+    "SamplingParams",
+    "ServiceClient",
+    "SessionExpiredError",
+    "TensorData",
+    "TrainingClient",
+    "TreadleError",
+    "__version__",
+    "types",
+]

@@ -1,0 +1,119 @@
+"""Submitting operations and long-polling their results (`/retrieve_future`).
+
+A submission answers `{"request_id": ...}` at once; the result is then fetched by polling,
+which the server holds open for about 25 s per call. The server answers one of: the result
+(protobuf for forward_backward and sample results, JSON otherwise), `try_again` (still
+queued or running), or `{"error", "category"}` (the operation failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import httpx
+
+from treadle._http import HttpClient
+from treadle.errors import APIStatusError, FutureExpiredError, RequestFailedError
+from treadle.types import UntypedAPIFuture
+from treadle.wire import PROTOBUF_CONTENT_TYPE
+
+logger = logging.getLogger("treadle")
+
+T = TypeVar("T")
+
+RETRIEVE_TIMEOUT_SECONDS = 45.0
+"""Longer than the server's long-poll window (about 25 s)."""
+_PAUSED_LOG_INTERVAL_SECONDS = 60.0
+
+
+async def submit(
+    http: HttpClient,
+    path: str,
+    *,
+    json: Any = None,
+    content: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> UntypedAPIFuture:
+    """POST an operation and return its future handle.
+
+    Raises:
+        APIStatusError: the server refused the submission (its message says why).
+        APIConnectionError: the server stayed unreachable for the whole retry budget.
+    """
+    response = await http.request("POST", path, json=json, content=content, headers=headers)
+    return UntypedAPIFuture.model_validate(response.json())
+
+
+async def retrieve(
+    http: HttpClient,
+    request_id: str,
+    decode: Callable[[httpx.Response], T],
+    *,
+    request_type: str,
+    protobuf: bool = False,
+) -> T:
+    """Poll until the operation finishes, then decode its result.
+
+    Args:
+        decode: turns the final response into the result type.
+        request_type: a label sent as `X-Tinker-Request-Type` (e.g. `ForwardBackward`).
+        protobuf: ask for a protobuf result (forward_backward and sample results).
+
+    Raises:
+        RequestFailedError: the operation failed; `category` says whose fault.
+        FutureExpiredError: the server no longer holds this result.
+        APIStatusError, APIConnectionError: as for any request, once retries ran out.
+    """
+    iteration = 0
+    last_paused_log = 0.0
+    while True:
+        headers = {
+            "X-Tinker-Request-Type": request_type,
+            "X-Tinker-Request-Iteration": str(iteration),
+        }
+        if protobuf:
+            headers["Accept"] = f"{PROTOBUF_CONTENT_TYPE}, application/json"
+        try:
+            response = await http.request(
+                "POST",
+                "/api/v1/retrieve_future",
+                json={"request_id": request_id, "allow_metadata_only": False},
+                headers=headers,
+                timeout=RETRIEVE_TIMEOUT_SECONDS,
+            )
+        except APIStatusError as exc:
+            if exc.status_code == 410:
+                raise FutureExpiredError(
+                    f"the result of request {request_id} has expired on the server; "
+                    "submit the operation again"
+                ) from exc
+            raise
+        iteration += 1
+        if PROTOBUF_CONTENT_TYPE in response.headers.get("content-type", ""):
+            return decode(response)
+        body = response.json()
+        if isinstance(body, dict):
+            if "error" in body:
+                raise RequestFailedError(
+                    str(body["error"]),
+                    category=str(body.get("category") or "unknown"),
+                    request_id=request_id,
+                )
+            if body.get("type") == "try_again":
+                state = body.get("queue_state", "active")
+                now = time.monotonic()
+                if state != "active" and now - last_paused_log > _PAUSED_LOG_INTERVAL_SECONDS:
+                    last_paused_log = now
+                    logger.warning(
+                        "request %s is paused (%s): %s",
+                        request_id,
+                        state,
+                        body.get("queue_state_reason") or "waiting for capacity",
+                    )
+                continue
+            if body.get("status") == "complete_metadata":
+                continue
+        return decode(response)

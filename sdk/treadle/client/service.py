@@ -1,0 +1,363 @@
+"""ServiceClient: the entry point. Holds the server address and key, and starts the session.
+
+```python
+with treadle.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-...") as service:
+    trainer = service.create_lora_training_client("treadle/tiny-1m", rank=8)
+```
+
+The session is created on first need and kept alive by background heartbeats; leaving the
+`with` block (or `close()`) finishes it, which frees its slot of the tenant's quota.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from treadle._connection import Connection
+from treadle._http import DEFAULT_TIMEOUT_SECONDS, RetryPolicy
+from treadle._polling import retrieve, submit
+from treadle._session import FinishStatus, Session
+from treadle.client.rest import RestClient
+from treadle.client.sampling import SamplingClient
+from treadle.client.training import TrainingClient
+from treadle.types import (
+    TINKER_SCHEME,
+    CreateModelRequest,
+    CreateModelResponse,
+    CreateSamplingSessionResponse,
+    GetInfoResponse,
+    GetSamplerResponse,
+    LoadWeightsRequest,
+    LoadWeightsResponse,
+    LoraConfig,
+    ServerCapabilities,
+)
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+class ServiceClient:
+    """Platform settings and the session; creates training, sampling and REST clients.
+
+    Args:
+        base_url: the server; defaults to `$TREADLE_BASE_URL`, then `http://127.0.0.1:8000`.
+        api_key: defaults to `$TREADLE_API_KEY`.
+        project_id, tags, user_metadata, display_name: recorded on the session.
+        retry: how long transient failures (connection errors, 5xx, 429) are retried.
+        timeout: read timeout of ordinary requests, in seconds.
+        transport: an httpx transport to use instead of the network (proxies, tests).
+        headers: extra headers sent on every request.
+
+    Raises:
+        AuthenticationError: no API key was given or found in the environment.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        project_id: str | None = None,
+        tags: list[str] | None = None,
+        user_metadata: dict[str, Any] | None = None,
+        display_name: str | None = None,
+        retry: RetryPolicy | None = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        transport: httpx.AsyncBaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        url, key = resolve_credentials(base_url, api_key)
+        self._conn = Connection(
+            url, key, retry=retry, timeout=timeout, transport=transport, headers=headers
+        )
+        self._session = Session(
+            self._conn,
+            tags=tags,
+            user_metadata=user_metadata,
+            project_id=project_id,
+            display_name=display_name,
+        )
+
+    @property
+    def base_url(self) -> str:
+        return self._conn.base_url
+
+    @property
+    def session_id(self) -> str | None:
+        """The session's id once created (None before the first training/sampling client)."""
+        return self._session.session_id
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close("success")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.close("interrupted", repr(exc))
+        else:
+            self.close("errored", repr(exc))
+
+    def close(self, status: FinishStatus = "success", detail: str | None = None) -> None:
+        """Finish the session on the server and release this client's resources.
+
+        Clients created from this one stop working. Idempotent.
+        """
+        if self._conn.closed:
+            return
+        try:
+            self._conn.run(self._session.finish(status, detail), timeout=60)
+        finally:
+            self._conn.close()
+
+    # -- capabilities -----------------------------------------------------------------------
+
+    def get_server_capabilities(self) -> ServerCapabilities:
+        """The base models this server offers."""
+        return self._conn.run(self.get_server_capabilities_async_impl())
+
+    async def get_server_capabilities_async(self) -> ServerCapabilities:
+        return await self._conn.call(self.get_server_capabilities_async_impl())
+
+    async def get_server_capabilities_async_impl(self) -> ServerCapabilities:
+        response = await self._conn.http.request("GET", "/api/v1/get_server_capabilities")
+        return ServerCapabilities.model_validate(response.json())
+
+    # -- training clients -------------------------------------------------------------------
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        *,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> TrainingClient:
+        """Start a new LoRA training run on `base_model`.
+
+        Raises:
+            BadRequestError: the model is not served here or the rank is out of range.
+            QuotaExceededError: the tenant's concurrent session limit is reached.
+        """
+        return self._conn.run(
+            self._create_lora(
+                base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata
+            )
+        )
+
+    async def create_lora_training_client_async(
+        self, base_model: str, rank: int = 32, **kwargs: Any
+    ) -> TrainingClient:
+        """`create_lora_training_client` for asyncio code."""
+        lora = {
+            k: kwargs.pop(k, d)
+            for k, d in (
+                ("seed", None),
+                ("train_mlp", True),
+                ("train_attn", True),
+                ("train_unembed", True),
+                ("user_metadata", None),
+            )
+        }
+        if kwargs:
+            raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
+        return await self._conn.call(self._create_lora(base_model, rank, *lora.values()))
+
+    def create_training_client_from_state(
+        self, path: str, *, user_metadata: dict[str, Any] | None = None
+    ) -> TrainingClient:
+        """A new run starting from a checkpoint's weights, with a fresh optimizer."""
+        return self._conn.run(self._create_from_state(path, False, user_metadata))
+
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, *, user_metadata: dict[str, Any] | None = None
+    ) -> TrainingClient:
+        """A new run resuming a `save_state` checkpoint: weights and optimizer state.
+
+        Raises:
+            NotFoundError: no such checkpoint (or not yours).
+            BadRequestError: the checkpoint holds no optimizer state (a sampler checkpoint).
+        """
+        return self._conn.run(self._create_from_state(path, True, user_metadata))
+
+    async def create_training_client_from_state_async(
+        self, path: str, **kwargs: Any
+    ) -> TrainingClient:
+        return await self._conn.call(
+            self._create_from_state(path, False, kwargs.get("user_metadata"))
+        )
+
+    async def create_training_client_from_state_with_optimizer_async(
+        self, path: str, **kwargs: Any
+    ) -> TrainingClient:
+        return await self._conn.call(
+            self._create_from_state(path, True, kwargs.get("user_metadata"))
+        )
+
+    # -- sampling and REST ------------------------------------------------------------------
+
+    def create_sampling_client(
+        self, base_model: str | None = None, model_path: str | None = None
+    ) -> SamplingClient:
+        """Sample from a base model, or from a `tinker://.../sampler_weights/...` checkpoint.
+
+        Raises:
+            ValueError: neither or both of base_model and model_path were given.
+            NotFoundError: the checkpoint does not exist (or is not yours).
+        """
+        return self._conn.run(self._create_sampler(base_model, model_path))
+
+    async def create_sampling_client_async(
+        self, base_model: str | None = None, model_path: str | None = None
+    ) -> SamplingClient:
+        return await self._conn.call(self._create_sampler(base_model, model_path))
+
+    def create_rest_client(self) -> RestClient:
+        """A RestClient on this client's connection (runs, checkpoints, downloads)."""
+        return RestClient(self._conn)
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _create_lora(
+        self,
+        base_model: str,
+        rank: int,
+        seed: int | None,
+        train_mlp: bool,
+        train_attn: bool,
+        train_unembed: bool,
+        user_metadata: dict[str, Any] | None,
+    ) -> TrainingClient:
+        session_id = await self._session.ensure()
+        request = CreateModelRequest(
+            session_id=session_id,
+            model_seq_id=self._session.next_model_seq_id(),
+            base_model=base_model,
+            user_metadata=user_metadata,
+            lora_config=LoraConfig(
+                rank=rank,
+                seed=seed,
+                train_mlp=train_mlp,
+                train_attn=train_attn,
+                train_unembed=train_unembed,
+            ),
+        )
+        handle = await submit(
+            self._conn.http,
+            "/api/v1/create_model",
+            json=request.model_dump(mode="json", exclude_none=True),
+        )
+        created = await retrieve(
+            self._conn.http,
+            handle.request_id,
+            lambda r: CreateModelResponse.model_validate(r.json()),
+            request_type="CreateModel",
+        )
+        return await self._training_client(created.model_id)
+
+    async def _create_from_state(
+        self, path: str, optimizer: bool, user_metadata: dict[str, Any] | None
+    ) -> TrainingClient:
+        session_id = await self._session.ensure()
+        model_seq_id = self._session.next_model_seq_id()
+        request = LoadWeightsRequest(
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            path=path,
+            optimizer=optimizer,
+            user_metadata=user_metadata,
+        )
+        handle = await submit(
+            self._conn.http,
+            "/api/v1/load_weights",
+            json=request.model_dump(mode="json", exclude_none=True),
+        )
+        await retrieve(
+            self._conn.http,
+            handle.request_id,
+            lambda r: LoadWeightsResponse.model_validate(r.json()),
+            request_type="LoadWeights",
+        )
+        return await self._training_client(handle.model_id or f"{session_id}:train:{model_seq_id}")
+
+    async def _training_client(self, model_id: str) -> TrainingClient:
+        response = await self._conn.http.request(
+            "POST", "/api/v1/get_info", json={"model_id": model_id, "type": "get_info"}
+        )
+        info = GetInfoResponse.model_validate(response.json())
+        max_len, max_bytes = await self._conn.chunk_limits()
+        config = await self._conn.config()
+        return TrainingClient(
+            self._session,
+            info,
+            max_chunk_len=max_len,
+            max_chunk_bytes=max_bytes,
+            compress=bool(config.proto_compress_fwdbwd),
+        )
+
+    async def _create_sampler(
+        self, base_model: str | None, model_path: str | None
+    ) -> SamplingClient:
+        if (base_model is None) == (model_path is None):
+            raise ValueError(
+                "pass exactly one of base_model (sample the base model) or model_path "
+                "(a tinker:// sampler checkpoint)"
+            )
+        if model_path is not None and not model_path.startswith(TINKER_SCHEME):
+            raise ValueError(f"model_path {model_path!r} must start with {TINKER_SCHEME}")
+        session_id = await self._session.ensure()
+        body: dict[str, Any] = {
+            "session_id": session_id,
+            "sampling_session_seq_id": self._session.next_sampling_seq_id(),
+            "type": "create_sampling_session",
+        }
+        body.update(
+            {
+                k: v
+                for k, v in (("base_model", base_model), ("model_path", model_path))
+                if v is not None
+            }
+        )
+        response = await self._conn.http.request(
+            "POST", "/api/v1/create_sampling_session", json=body
+        )
+        sampler_id = CreateSamplingSessionResponse.model_validate(
+            response.json()
+        ).sampling_session_id
+        if base_model is None:
+            described = await self._conn.http.request("GET", f"/api/v1/samplers/{sampler_id}")
+            base_model = GetSamplerResponse.model_validate(described.json()).base_model
+        return SamplingClient(self._conn, sampler_id, base_model, model_path=model_path)
+
+
+def resolve_credentials(base_url: str | None, api_key: str | None) -> tuple[str, str]:
+    """The base URL and API key from the arguments, else `TREADLE_BASE_URL` / `TREADLE_API_KEY`.
+
+    Raises:
+        AuthenticationError: no API key anywhere.
+    """
+    from treadle.errors import AuthenticationError
+
+    url = base_url or os.environ.get("TREADLE_BASE_URL") or DEFAULT_BASE_URL
+    key = api_key or os.environ.get("TREADLE_API_KEY")
+    if not key:
+        raise AuthenticationError(
+            "no API key: pass api_key=... or set TREADLE_API_KEY (keys look like tml-<id>-<secret>)",
+            status_code=401,
+        )
+    return url.rstrip("/"), key

@@ -1,0 +1,451 @@
+"""TrainingClient: train one LoRA run, checkpoint it, and sample from it.
+
+Every operation returns an `APIFuture` at once; its submission is queued on the background
+loop. Operations execute on the server in the order they were called (seq ids 1, 2, 3, ...),
+and their POSTs leave in that order too, but waiting for results is never serialised: call
+`forward_backward` then `optim_step`, and wait on both afterwards.
+
+Large batches are split into several requests transparently (see `_chunks`), and their
+outputs and metrics merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import httpx
+import zstandard
+from pydantic import BaseModel
+
+from treadle._polling import retrieve, submit
+from treadle._session import Session
+from treadle.client._chunks import merge_outputs, split_batch
+from treadle.client._custom_loss import CustomLossFn, custom_output, forward_data, surrogate_data
+from treadle.client._sequencer import Sequencer
+from treadle.client.sampling import SamplingClient
+from treadle.futures import APIFuture
+from treadle.proto import treadle_wire_pb2 as pb
+from treadle.tokenizer import load_tokenizer
+from treadle.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    ForwardBackwardRequest,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SaveWeightsExternalResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
+from treadle.wire import PROTOBUF_CONTENT_TYPE, decode_forward_backward_output
+from treadle.wire import encode_forward_backward_request as _encode
+
+logger = logging.getLogger("treadle")
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+class TrainingClient:
+    """Drives one training run (`model_id` = `{session_id}:train:{n}`).
+
+    Create one with `ServiceClient.create_lora_training_client` or
+    `ServiceClient.create_training_client_from_state[_with_optimizer]`.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        info: GetInfoResponse,
+        *,
+        max_chunk_len: int,
+        max_chunk_bytes: int,
+        compress: bool = False,
+    ) -> None:
+        self._session = session
+        self._conn = session.connection
+        self._info = info
+        self.model_id = info.model_id
+        self._seq = Sequencer(1)
+        self._max_chunk_len = max_chunk_len
+        self._max_chunk_bytes = max_chunk_bytes
+        self._compress = compress
+
+    def __repr__(self) -> str:
+        return f"TrainingClient({self.model_id!r}, base_model={self.base_model!r})"
+
+    @property
+    def base_model(self) -> str:
+        return self._info.model_data.model_name or self._info.model_name or ""
+
+    # -- forward / backward -----------------------------------------------------------------
+
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float | str] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Compute the loss and per-token logprobs without gradients.
+
+        Args and errors as for `forward_backward`.
+        """
+        return self._forward_backward(data, loss_fn, loss_fn_config, forward_only=True)
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float | str] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Compute the loss and accumulate its gradients until the next `optim_step`.
+
+        Args:
+            data: the batch; split into several requests when larger than the server allows.
+            loss_fn: `cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`, `gspo`...
+            loss_fn_config: e.g. `{"clip_low_threshold": 0.8}` for ppo.
+
+        Returns:
+            A future of the merged output: `loss_fn_outputs[i]["logprobs"]` per datum, and
+            metrics such as `loss:sum`.
+
+        Raises:
+            ValueError: at once, when a datum cannot be encoded.
+            RequestFailedError: through the future, when the server rejects the data or loss
+                (category `user`, with what to change).
+        """
+        return self._forward_backward(data, loss_fn, loss_fn_config, forward_only=False)
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Train on a loss computed here, in torch, from the model's per-token logprobs.
+
+        A forward pass returns the logprobs; `loss_fn(data, logprobs)` runs on this machine
+        and returns `(loss, metrics)`; its gradient is sent back as cross-entropy weights
+        (`weights = -dloss/dlogprobs`), which has the same effect on the adapter. Needs
+        `treadle[torch]`. The output's `loss:sum` is your loss; `surrogate_loss:sum` is the
+        server's weighted cross-entropy.
+
+        Raises:
+            ValueError: at once, when a datum has no `target_tokens`.
+            Whatever `loss_fn` raises, through the future (the run stays consistent).
+        """
+        fwd_data = forward_data(data)
+        chunks = split_batch(fwd_data, self._max_chunk_len, self._max_chunk_bytes)
+        bodies = [self._encode(chunk, "cross_entropy", None, forward_only=True) for chunk in chunks]
+        first = self._seq.reserve(2 * len(chunks))
+        return self._spawn(self._run_custom(first, chunks, bodies, list(data), loss_fn))
+
+    async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+        """`forward` for asyncio code: `out = await (await client.forward_async(...))`."""
+        return self.forward(*args, **kwargs)
+
+    async def forward_backward_async(
+        self, *args: Any, **kwargs: Any
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """`forward_backward` for asyncio code; returns the future."""
+        return self.forward_backward(*args, **kwargs)
+
+    async def forward_backward_custom_async(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """`forward_backward_custom` for asyncio code; returns the future."""
+        return self.forward_backward_custom(data, loss_fn)
+
+    # -- optimizer and checkpoints ----------------------------------------------------------
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        """Apply the accumulated gradients with AdamW and clear them.
+
+        Returns:
+            A future of the step's metrics (e.g. `grad_norm:mean`).
+        """
+        params = (adam_params or AdamParams()).model_dump(mode="json")
+        return self._json_op(
+            "/api/v1/optim_step", {"adam_params": params}, OptimStepResponse, "OptimStep"
+        )
+
+    def save_state(
+        self,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[SaveWeightsResponse]:
+        """Save weights and optimizer state as `tinker://{run}/weights/{name}` (resumable).
+
+        Raises (through the future):
+            BadRequestError: the name is taken (pass overwrite=True) or invalid.
+        """
+        body = {
+            "path": name,
+            "ttl_seconds": ttl_seconds,
+            "overwrite": overwrite,
+            "user_metadata": user_metadata,
+        }
+        return self._json_op("/api/v1/save_weights", body, SaveWeightsResponse, "SaveWeights")
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Replace this run's weights with a checkpoint's (optimizer state untouched)."""
+        return self._json_op(
+            "/api/v1/load_weights",
+            {"path": path, "optimizer": False},
+            LoadWeightsResponse,
+            "LoadWeights",
+        )
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Replace this run's weights and optimizer state with a `save_state` checkpoint's."""
+        return self._json_op(
+            "/api/v1/load_weights",
+            {"path": path, "optimizer": True},
+            LoadWeightsResponse,
+            "LoadWeights",
+        )
+
+    def save_weights_for_sampler(
+        self,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """Save the adapter as `tinker://{run}/sampler_weights/{name}` for sampling clients."""
+        body = {
+            "path": name,
+            "kind": "snapshot",
+            "ttl_seconds": ttl_seconds,
+            "user_metadata": user_metadata,
+        }
+        return self._json_op(
+            "/api/v1/save_weights_for_sampler",
+            body,
+            SaveWeightsForSamplerResponse,
+            "SaveWeightsForSampler",
+        )
+
+    def save_weights_and_get_sampling_client(self) -> APIFuture[SamplingClient]:
+        """Snapshot the current weights into a new sampling session (no named checkpoint).
+
+        Returns:
+            A future of a SamplingClient that samples from these weights.
+        """
+        body = {"kind": "snapshot", "sampling_session_seq_id": self._session.next_sampling_seq_id()}
+        saved = self._json_op(
+            "/api/v1/save_weights_for_sampler",
+            body,
+            SaveWeightsForSamplerResponse,
+            "SaveWeightsForSampler",
+        )
+        return saved.map(self._sampling_client_for)
+
+    def export(
+        self, name: str, *, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        """Export the adapter in PEFT format as `tinker://{run}/external_weights/{name}`.
+
+        Download it with `RestClient.download_checkpoint` or `treadle download PATH`; the
+        folder loads with `peft.PeftModel.from_pretrained` or vLLM.
+        """
+        body = {"path": name, "ttl_seconds": ttl_seconds}
+        return self._json_op(
+            "/api/v1/save_weights_external",
+            body,
+            SaveWeightsExternalResponse,
+            "SaveWeightsExternal",
+        )
+
+    save_weights_external = export
+
+    async def optim_step_async(
+        self, adam_params: AdamParams | None = None
+    ) -> APIFuture[OptimStepResponse]:
+        """`optim_step` for asyncio code; returns the future."""
+        return self.optim_step(adam_params)
+
+    async def save_state_async(self, name: str, **kwargs: Any) -> APIFuture[SaveWeightsResponse]:
+        """`save_state` for asyncio code; returns the future."""
+        return self.save_state(name, **kwargs)
+
+    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """`load_state` for asyncio code; returns the future."""
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """`load_state_with_optimizer` for asyncio code; returns the future."""
+        return self.load_state_with_optimizer(path)
+
+    async def save_weights_for_sampler_async(
+        self, name: str, **kwargs: Any
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """`save_weights_for_sampler` for asyncio code; returns the future."""
+        return self.save_weights_for_sampler(name, **kwargs)
+
+    async def save_weights_and_get_sampling_client_async(self) -> SamplingClient:
+        """`save_weights_and_get_sampling_client`, awaited: returns the SamplingClient."""
+        return await self.save_weights_and_get_sampling_client()
+
+    async def export_async(
+        self, name: str, **kwargs: Any
+    ) -> APIFuture[SaveWeightsExternalResponse]:
+        """`export` for asyncio code; returns the future."""
+        return self.export(name, **kwargs)
+
+    # -- information ------------------------------------------------------------------------
+
+    def get_info(self) -> GetInfoResponse:
+        """The run's description (base model, LoRA rank), fetched at creation."""
+        return self._info
+
+    async def get_info_async(self) -> GetInfoResponse:
+        return self._info
+
+    def get_tokenizer(self) -> Any:
+        """The base model's `tokenizers.Tokenizer`, downloaded from the server.
+
+        Raises:
+            ImportError: `treadle[tokenizer]` is not installed.
+        """
+        return self._conn.run(load_tokenizer(self._conn.http, self.base_model))
+
+    async def get_tokenizer_async(self) -> Any:
+        return await self._conn.call(load_tokenizer(self._conn.http, self.base_model))
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
+        return APIFuture(self._conn.loop.spawn(coro))
+
+    def _encode(
+        self,
+        chunk: list[Datum],
+        loss_fn: str,
+        config: dict[str, float | str] | None,
+        *,
+        forward_only: bool,
+    ) -> bytes:
+        request = ForwardBackwardRequest(
+            model_id=self.model_id,
+            seq_id=0,
+            data=chunk,
+            loss_fn=loss_fn,
+            loss_fn_config=config,
+            forward_only=forward_only,
+        )
+        return _encode(request)
+
+    def _forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        config: dict[str, float | str] | None,
+        *,
+        forward_only: bool,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        chunks = split_batch(data, self._max_chunk_len, self._max_chunk_bytes)
+        # Encoded here, so bad data raises before a seq id is taken.
+        bodies = [
+            self._encode(chunk, loss_fn, config, forward_only=forward_only) for chunk in chunks
+        ]
+        first = self._seq.reserve(len(bodies))
+        return self._spawn(self._run_chunks(first, bodies))
+
+    async def _run_chunks(self, first: int, bodies: list[bytes]) -> ForwardBackwardOutput:
+        handles = []
+        async with self._seq.turn(first, len(bodies)):
+            await self._session.ensure()
+            for i, body in enumerate(bodies):
+                handles.append(await self._post_forward_backward(first + i, body))
+        outputs = await asyncio.gather(
+            *(
+                retrieve(
+                    self._conn.http,
+                    h.request_id,
+                    _decode_fb,
+                    request_type="ForwardBackward",
+                    protobuf=True,
+                )
+                for h in handles
+            )
+        )
+        return merge_outputs(outputs)
+
+    async def _post_forward_backward(self, seq_id: int, body: bytes) -> Any:
+        # Protobuf fields may repeat and the last wins: appending seq_id is setting it.
+        body = body + pb.ForwardBackwardRequest(seq_id=seq_id).SerializeToString()
+        headers = {"Content-Type": PROTOBUF_CONTENT_TYPE}
+        if self._compress:
+            body = zstandard.ZstdCompressor().compress(body)
+            headers["Content-Encoding"] = "zstd"
+        return await submit(
+            self._conn.http, "/api/v1/forward_backward", content=body, headers=headers
+        )
+
+    async def _run_custom(
+        self,
+        first: int,
+        chunks: list[list[Datum]],
+        bodies: list[bytes],
+        data: list[Datum],
+        loss_fn: CustomLossFn,
+    ) -> ForwardBackwardOutput:
+        n = len(chunks)
+        try:
+            forward = await self._run_chunks(first, bodies)
+            backward_data, metrics, loss_value = await asyncio.to_thread(
+                surrogate_data, data, forward, loss_fn
+            )
+        except BaseException:
+            # Fill the reserved backward ids with harmless forward passes, so the server does
+            # not wait for them and later operations of this run go ahead.
+            with contextlib.suppress(Exception):
+                await self._run_chunks(first + n, bodies)
+            raise
+        sizes = [len(c) for c in chunks]
+        offsets = [sum(sizes[:i]) for i in range(n)]
+        backward_bodies = await asyncio.to_thread(
+            lambda: [
+                self._encode(backward_data[o : o + s], "cross_entropy", None, forward_only=False)
+                for o, s in zip(offsets, sizes, strict=True)
+            ]
+        )
+        backward = await self._run_chunks(first + n, backward_bodies)
+        return custom_output(backward, metrics, loss_value)
+
+    def _json_op(
+        self, path: str, body: dict[str, Any], result_type: type[M], request_type: str
+    ) -> APIFuture[M]:
+        seq_id = self._seq.reserve()
+        payload = {k: v for k, v in body.items() if v is not None}
+        payload.update(model_id=self.model_id, seq_id=seq_id, type=path.rsplit("/", 1)[-1])
+
+        async def run() -> M:
+            async with self._seq.turn(seq_id):
+                await self._session.ensure()
+                handle = await submit(self._conn.http, path, json=payload)
+            return await retrieve(
+                self._conn.http,
+                handle.request_id,
+                lambda response: result_type.model_validate(response.json()),
+                request_type=request_type,
+            )
+
+        return self._spawn(run())
+
+    def _sampling_client_for(self, saved: SaveWeightsForSamplerResponse) -> SamplingClient:
+        if saved.sampling_session_id is None:
+            raise ValueError("the server returned no sampling_session_id for the snapshot")
+        return SamplingClient(self._conn, saved.sampling_session_id, self.base_model)
+
+
+def _decode_fb(response: httpx.Response) -> ForwardBackwardOutput:
+    if "json" in response.headers.get("content-type", ""):
+        return ForwardBackwardOutput.model_validate(response.json())
+    return decode_forward_backward_output(response.content)

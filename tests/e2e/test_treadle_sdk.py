@@ -1,0 +1,272 @@
+"""The treadle SDK trains, samples and checkpoints against an embedded server.
+
+The same scenario as tests/e2e/test_tinker_training.py, driven by Treadle's own client, in
+sync and asyncio variants; plus transient failures (503s, connections dropped after the
+server received the request) that must be retried without running any op twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from sqlalchemy import func, select
+
+import treadle
+from core.tables import Operation
+from tests.e2e.conftest import LiveServer
+from treadle import types
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "treadle/tiny-1m"
+
+
+def sft_datum(offset: int = 0, length: int = 24) -> types.Datum:
+    tokens = [(7 * i + offset) % 500 + 10 for i in range(length + 1)]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0] * 4 + [1.0] * (length - 4)},
+    )
+
+
+@pytest.fixture
+def service(live_server: LiveServer) -> Iterator[treadle.ServiceClient]:
+    with treadle.ServiceClient(
+        base_url=live_server.base_url, api_key=live_server.make_tenant().key
+    ) as client:
+        yield client
+
+
+def test_sft_loop_loss_falls(service: treadle.ServiceClient) -> None:
+    trainer = service.create_lora_training_client(MODEL, rank=8, seed=3)
+    batch = [sft_datum(i) for i in range(4)]
+    losses = []
+    for _ in range(6):
+        fwd = trainer.forward_backward(batch, "cross_entropy")
+        step = trainer.optim_step(types.AdamParams(learning_rate=5e-3))
+        losses.append(fwd.result().metrics["loss:sum"])
+        assert "grad_norm:mean" in (step.result().metrics or {})
+    assert losses[-1] < 0.7 * losses[0], losses
+    info = trainer.get_info()
+    assert info.model_data.model_name == MODEL and info.lora_rank == 8
+    tokenizer = trainer.get_tokenizer()
+    assert tokenizer.decode(tokenizer.encode("hello world").ids).strip() == "hello world"
+
+
+def test_rl_step_with_sampling_and_policy_losses(service: treadle.ServiceClient) -> None:
+    trainer = service.create_lora_training_client(MODEL, rank=4, seed=1)
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([11, 12, 13, 14])
+    futures = [
+        sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, seed=5 + i)) for i in range(2)
+    ]
+    sequences = [seq for f in futures for seq in f.result().sequences]
+    assert len(sequences) == 4 and all(s.sequence_id for s in sequences)
+    for loss_fn in ("importance_sampling", "ppo"):
+        data = []
+        for i, seq in enumerate(sequences):
+            assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
+            tokens = prompt.to_ints() + seq.tokens
+            pad = len(prompt.to_ints()) - 1
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": [0.0] * pad + list(seq.logprobs),
+                        "advantages": [0.0] * pad + [1.0 if i % 2 else -1.0] * len(seq.tokens),
+                    },
+                )
+            )
+        out = trainer.forward_backward(data, loss_fn)
+        trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        assert "loss:sum" in out.result().metrics
+
+
+def test_custom_dpo_style_loss(service: treadle.ServiceClient) -> None:
+    trainer = service.create_lora_training_client(MODEL, rank=4, seed=2)
+    chosen, rejected = sft_datum(1), sft_datum(2)
+
+    def dpo_loss(
+        data: list[types.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        weights = [d.loss_fn_inputs["weights"].to_torch() for d in data]
+        margin = (logprobs[0] * weights[0]).sum() - (logprobs[1] * weights[1]).sum()
+        return -torch.nn.functional.logsigmoid(0.1 * margin), {"margin": float(margin)}
+
+    first = trainer.forward_backward_custom([chosen, rejected], dpo_loss)
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2))
+    second = trainer.forward_backward_custom([chosen, rejected], dpo_loss).result()
+    assert second.metrics["margin"] > first.result().metrics["margin"]
+    assert "surrogate_loss:sum" in second.metrics
+
+    def broken(
+        data: list[types.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        raise RuntimeError("bug in my loss")
+
+    with pytest.raises(RuntimeError, match="bug in my loss"):
+        trainer.forward_backward_custom([chosen], broken).result(timeout=120)
+    # The reserved seq ids were filled: the run goes on without waiting for a gap.
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+
+
+def test_resume_with_optimizer_and_named_sampler(service: treadle.ServiceClient) -> None:
+    batch = [sft_datum(i) for i in range(3)]
+    trainer = service.create_lora_training_client(MODEL, rank=8, seed=7)
+    for _ in range(2):
+        trainer.forward_backward(batch, "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=3e-3))
+    path = trainer.save_state("mid").result().path
+    assert path.endswith("/weights/mid")
+    trainer.forward_backward(batch, "cross_entropy")
+    trainer.optim_step(types.AdamParams(learning_rate=3e-3))
+    expected = trainer.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    sampler_path = trainer.save_weights_for_sampler("policy-v1").result().path
+    assert sampler_path is not None and sampler_path.endswith("/sampler_weights/policy-v1")
+
+    resumed = service.create_training_client_from_state_with_optimizer(path)
+    resumed.forward_backward(batch, "cross_entropy")
+    resumed.optim_step(types.AdamParams(learning_rate=3e-3))
+    actual = resumed.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    assert actual == pytest.approx(expected, rel=1e-5)
+
+    sampler = service.create_sampling_client(model_path=sampler_path)
+    params = types.SamplingParams(max_tokens=5, seed=11)
+    prompt = types.ModelInput.from_ints([20, 21, 22])
+    first = sampler.sample(prompt, 2, params).result()
+    again = pickle.loads(pickle.dumps(sampler)).sample(prompt, 2, params).result()
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    assert all(s.stop_reason == "length" and len(s.tokens) == 5 for s in first.sequences)
+    logprobs = sampler.compute_logprobs(types.ModelInput.from_ints([20, 21, 22, 23])).result()
+    assert logprobs[0] is None and len(logprobs) == 4
+
+    rest = service.create_rest_client()
+    run_ids = {r.training_run_id for r in rest.list_training_runs(limit=100).training_runs}
+    assert {trainer.model_id, resumed.model_id} <= run_ids
+    listed = {c.tinker_path for c in rest.list_checkpoints(trainer.model_id).checkpoints}
+    assert {path, sampler_path} <= listed
+    assert rest.get_weights_info(path).lora_rank == 8
+
+
+def test_async_variants(live_server: LiveServer) -> None:
+    async def main() -> tuple[float, float]:
+        with treadle.ServiceClient(
+            base_url=live_server.base_url, api_key=live_server.make_tenant().key
+        ) as service:
+            trainer = await service.create_lora_training_client_async(MODEL, rank=4, seed=3)
+            batch = [sft_datum(i) for i in range(2)]
+            first = await trainer.forward_backward_async(batch, "cross_entropy")
+            step = await trainer.optim_step_async(types.AdamParams(learning_rate=1e-2))
+            before = (await first).metrics["loss:sum"]
+            await step
+            after = (await (await trainer.forward_async(batch))).metrics["loss:sum"]
+            sampler = await trainer.save_weights_and_get_sampling_client_async()
+            prompt = types.ModelInput.from_ints([5, 6, 7])
+            results = await asyncio.gather(
+                *(
+                    sampler.sample_async(prompt, 1, types.SamplingParams(max_tokens=3))
+                    for _ in range(4)
+                )
+            )
+            assert all(len(r.sequences[0].tokens) == 3 for r in results)
+            return before, after
+
+    before, after = asyncio.run(main())
+    assert after < before
+
+
+def test_permanent_errors_carry_the_server_message(live_server: LiveServer) -> None:
+    with pytest.raises(treadle.AuthenticationError):
+        treadle.ServiceClient(
+            base_url=live_server.base_url, api_key="tml-000000000000-nope"
+        ).create_lora_training_client(MODEL, rank=4)
+    tenant = live_server.make_tenant(max_lora_rank=8, max_concurrent_sessions=1)
+    with treadle.ServiceClient(base_url=live_server.base_url, api_key=tenant.key) as service:
+        with pytest.raises(treadle.BadRequestError, match="rank 64"):
+            service.create_lora_training_client(MODEL, rank=64)
+        with pytest.raises(treadle.QuotaExceededError, match="concurrent session limit"):
+            other = treadle.ServiceClient(base_url=live_server.base_url, api_key=tenant.key)
+            try:
+                other.create_lora_training_client(MODEL, rank=4)
+            finally:
+                other.close()
+        trainer = service.create_lora_training_client(MODEL, rank=4)
+        bad = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "advantages": [1.0, 1.0, 1.0]},
+        )
+        with pytest.raises(treadle.RequestFailedError) as failed:
+            trainer.forward_backward([bad], "cross_entropy").result(timeout=120)
+        assert failed.value.category == "user"
+        trainer.forward_backward([sft_datum()], "cross_entropy").result(timeout=120)
+        # The session ends behind the client's back (here: finished by another process).
+        httpx.post(
+            f"{live_server.base_url}/api/v1/sessions/{service.session_id}/finish",
+            json={"reason": {"type": "interrupted"}},
+            headers={"X-API-Key": tenant.key},
+        ).raise_for_status()
+        with pytest.raises(treadle.SessionExpiredError, match="has finished"):
+            trainer.optim_step().result(timeout=30)
+
+
+class FlakyTransport(httpx.AsyncBaseTransport):
+    """Fails submissions: a 503 before the server sees them, or a dropped answer after."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.calls = 0
+        self.injected = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path.endswith(("/forward_backward", "/optim_step", "/asample", "/retrieve_future")):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                self.injected += 1
+                return httpx.Response(503, json={"detail": "injected", "category": "server"})
+            if self.calls % 3 == 1 and not path.endswith("/retrieve_future"):
+                await self.inner.handle_async_request(request)  # the server got it...
+                self.injected += 1
+                raise httpx.RemoteProtocolError("connection reset (injected)")  # ...we did not
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_transient_failures_are_retried_without_duplicate_ops(live_server: LiveServer) -> None:
+    transport = FlakyTransport()
+    retry = treadle.RetryPolicy(initial_backoff_seconds=0.05, max_backoff_seconds=0.2)
+    with treadle.ServiceClient(
+        base_url=live_server.base_url,
+        api_key=live_server.make_tenant().key,
+        transport=transport,
+        retry=retry,
+    ) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, seed=3)
+        batch = [sft_datum(i) for i in range(2)]
+        losses = []
+        for _ in range(3):
+            fwd = trainer.forward_backward(batch, "cross_entropy")
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2))
+            losses.append(fwd.result(timeout=120).metrics["loss:sum"])
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        sampler.sample(
+            types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+    assert transport.injected >= 4
+    assert losses[-1] < losses[0]
+    with live_server.database.reader() as db:
+        per_seq = db.execute(
+            select(Operation.seq_id, func.count())
+            .where(Operation.target_id == trainer.model_id)
+            .group_by(Operation.seq_id)
+        ).all()
+    assert sorted(seq for seq, _ in per_seq) == list(range(0, 8))
+    assert all(count == 1 for _, count in per_seq)
