@@ -196,6 +196,8 @@ def test_chat_sl_on_a_jsonl_file_trains_and_resumes_with_its_optimizer_state(
         f.write(json.dumps(resume_from) + "\n")
     output = _run_recipe(server, SL_RECIPE, log_path, *args, "behavior_if_log_dir_exists=resume")
     assert f"Resumed training from {resume_from['state_path']}" in output
+    # GET training_runs/{id} returned the renderer name the first run stored in user_metadata.
+    assert f"Renderer metadata matches for checkpoint {resume_from['state_path']}" in output
 
     # The server created the new run by loading that checkpoint with its optimizer state.
     resumed_id = _run_id(_jsonl(log_path / "checkpoints.jsonl")[-1]["state_path"])
