@@ -126,12 +126,13 @@ class ServiceClient:
 
     def get_server_capabilities(self) -> ServerCapabilities:
         """The base models this server offers."""
-        return self._conn.run(self.get_server_capabilities_async_impl())
+        return self._conn.run(self._capabilities())
 
     async def get_server_capabilities_async(self) -> ServerCapabilities:
-        return await self._conn.call(self.get_server_capabilities_async_impl())
+        """`get_server_capabilities` for asyncio code."""
+        return await self._conn.call(self._capabilities())
 
-    async def get_server_capabilities_async_impl(self) -> ServerCapabilities:
+    async def _capabilities(self) -> ServerCapabilities:
         response = await self._conn.http.request("GET", "/api/v1/get_server_capabilities")
         return ServerCapabilities.model_validate(response.json())
 
@@ -150,33 +151,49 @@ class ServiceClient:
     ) -> TrainingClient:
         """Start a new LoRA training run on `base_model`.
 
+        Args:
+            base_model: a model from `get_server_capabilities()`.
+            rank: LoRA rank (the tenant's maximum applies).
+            seed: seed of the adapter's initialisation (None: the server picks).
+            train_mlp, train_attn, train_unembed: which layers get adapters.
+            user_metadata: stored on the run (e.g. `{"renderer_name": ...}`).
+
+        Returns:
+            A TrainingClient for the new run.
+
         Raises:
             BadRequestError: the model is not served here or the rank is out of range.
             QuotaExceededError: the tenant's concurrent session limit is reached.
         """
-        return self._conn.run(
-            self._create_lora(
-                base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata
-            )
+        lora = LoraConfig(
+            rank=rank,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
         )
+        return self._conn.run(self._create_lora(base_model, lora, user_metadata))
 
     async def create_lora_training_client_async(
-        self, base_model: str, rank: int = 32, **kwargs: Any
+        self,
+        base_model: str,
+        rank: int = 32,
+        *,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, Any] | None = None,
     ) -> TrainingClient:
         """`create_lora_training_client` for asyncio code."""
-        lora = {
-            k: kwargs.pop(k, d)
-            for k, d in (
-                ("seed", None),
-                ("train_mlp", True),
-                ("train_attn", True),
-                ("train_unembed", True),
-                ("user_metadata", None),
-            )
-        }
-        if kwargs:
-            raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
-        return await self._conn.call(self._create_lora(base_model, rank, *lora.values()))
+        lora = LoraConfig(
+            rank=rank,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+        )
+        return await self._conn.call(self._create_lora(base_model, lora, user_metadata))
 
     def create_training_client_from_state(
         self, path: str, *, user_metadata: dict[str, Any] | None = None
@@ -196,18 +213,16 @@ class ServiceClient:
         return self._conn.run(self._create_from_state(path, True, user_metadata))
 
     async def create_training_client_from_state_async(
-        self, path: str, **kwargs: Any
+        self, path: str, *, user_metadata: dict[str, Any] | None = None
     ) -> TrainingClient:
-        return await self._conn.call(
-            self._create_from_state(path, False, kwargs.get("user_metadata"))
-        )
+        """`create_training_client_from_state` for asyncio code."""
+        return await self._conn.call(self._create_from_state(path, False, user_metadata))
 
     async def create_training_client_from_state_with_optimizer_async(
-        self, path: str, **kwargs: Any
+        self, path: str, *, user_metadata: dict[str, Any] | None = None
     ) -> TrainingClient:
-        return await self._conn.call(
-            self._create_from_state(path, True, kwargs.get("user_metadata"))
-        )
+        """`create_training_client_from_state_with_optimizer` for asyncio code."""
+        return await self._conn.call(self._create_from_state(path, True, user_metadata))
 
     # -- sampling and REST ------------------------------------------------------------------
 
@@ -225,6 +240,7 @@ class ServiceClient:
     async def create_sampling_client_async(
         self, base_model: str | None = None, model_path: str | None = None
     ) -> SamplingClient:
+        """`create_sampling_client` for asyncio code."""
         return await self._conn.call(self._create_sampler(base_model, model_path))
 
     def create_rest_client(self) -> RestClient:
@@ -234,14 +250,7 @@ class ServiceClient:
     # -- internals --------------------------------------------------------------------------
 
     async def _create_lora(
-        self,
-        base_model: str,
-        rank: int,
-        seed: int | None,
-        train_mlp: bool,
-        train_attn: bool,
-        train_unembed: bool,
-        user_metadata: dict[str, Any] | None,
+        self, base_model: str, lora: LoraConfig, user_metadata: dict[str, Any] | None
     ) -> TrainingClient:
         session_id = await self._session.ensure()
         request = CreateModelRequest(
@@ -249,13 +258,7 @@ class ServiceClient:
             model_seq_id=self._session.next_model_seq_id(),
             base_model=base_model,
             user_metadata=user_metadata,
-            lora_config=LoraConfig(
-                rank=rank,
-                seed=seed,
-                train_mlp=train_mlp,
-                train_attn=train_attn,
-                train_unembed=train_unembed,
-            ),
+            lora_config=lora,
         )
         handle = await submit(
             self._conn.http,

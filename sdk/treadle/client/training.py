@@ -11,30 +11,23 @@ outputs and metrics merged.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import httpx
-import zstandard
 from pydantic import BaseModel
 
-from treadle._polling import retrieve, submit
 from treadle._session import Session
-from treadle.client._chunks import merge_outputs, split_batch
-from treadle.client._custom_loss import CustomLossFn, custom_output, forward_data, surrogate_data
-from treadle.client._sequencer import Sequencer
+from treadle.client._chunks import split_batch
+from treadle.client._custom_loss import CustomLossFn, forward_data
+from treadle.client._run_ops import RunOps
 from treadle.client.sampling import SamplingClient
 from treadle.futures import APIFuture
-from treadle.proto import treadle_wire_pb2 as pb
 from treadle.tokenizer import load_tokenizer
 from treadle.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
-    ForwardBackwardRequest,
     GetInfoResponse,
     LoadWeightsResponse,
     OptimStepResponse,
@@ -42,8 +35,6 @@ from treadle.types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
-from treadle.wire import PROTOBUF_CONTENT_TYPE, decode_forward_backward_output
-from treadle.wire import encode_forward_backward_request as _encode
 
 logger = logging.getLogger("treadle")
 
@@ -71,10 +62,13 @@ class TrainingClient:
         self._conn = session.connection
         self._info = info
         self.model_id = info.model_id
-        self._seq = Sequencer(1)
-        self._max_chunk_len = max_chunk_len
-        self._max_chunk_bytes = max_chunk_bytes
-        self._compress = compress
+        self._ops = RunOps(
+            session,
+            info.model_id,
+            max_chunk_len=max_chunk_len,
+            max_chunk_bytes=max_chunk_bytes,
+            compress=compress,
+        )
 
     def __repr__(self) -> str:
         return f"TrainingClient({self.model_id!r}, base_model={self.base_model!r})"
@@ -95,7 +89,7 @@ class TrainingClient:
 
         Args and errors as for `forward_backward`.
         """
-        return self._forward_backward(data, loss_fn, loss_fn_config, forward_only=True)
+        return self._ops.forward_backward(data, loss_fn, loss_fn_config, forward_only=True)
 
     def forward_backward(
         self,
@@ -119,7 +113,7 @@ class TrainingClient:
             RequestFailedError: through the future, when the server rejects the data or loss
                 (category `user`, with what to change).
         """
-        return self._forward_backward(data, loss_fn, loss_fn_config, forward_only=False)
+        return self._ops.forward_backward(data, loss_fn, loss_fn_config, forward_only=False)
 
     def forward_backward_custom(
         self, data: Sequence[Datum], loss_fn: CustomLossFn
@@ -137,10 +131,12 @@ class TrainingClient:
             Whatever `loss_fn` raises, through the future (the run stays consistent).
         """
         fwd_data = forward_data(data)
-        chunks = split_batch(fwd_data, self._max_chunk_len, self._max_chunk_bytes)
-        bodies = [self._encode(chunk, "cross_entropy", None, forward_only=True) for chunk in chunks]
-        first = self._seq.reserve(2 * len(chunks))
-        return self._spawn(self._run_custom(first, chunks, bodies, list(data), loss_fn))
+        chunks = split_batch(fwd_data, self._ops.max_chunk_len, self._ops.max_chunk_bytes)
+        bodies = [
+            self._ops.encode(chunk, "cross_entropy", None, forward_only=True) for chunk in chunks
+        ]
+        first = self._ops.reserve(2 * len(chunks))
+        return self._ops.spawn(self._ops.run_custom(first, chunks, bodies, list(data), loss_fn))
 
     async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
         """`forward` for asyncio code: `out = await (await client.forward_async(...))`."""
@@ -167,7 +163,7 @@ class TrainingClient:
             A future of the step's metrics (e.g. `grad_norm:mean`).
         """
         params = (adam_params or AdamParams()).model_dump(mode="json")
-        return self._json_op(
+        return self._ops.json_op(
             "/api/v1/optim_step", {"adam_params": params}, OptimStepResponse, "OptimStep"
         )
 
@@ -190,11 +186,11 @@ class TrainingClient:
             "overwrite": overwrite,
             "user_metadata": user_metadata,
         }
-        return self._json_op("/api/v1/save_weights", body, SaveWeightsResponse, "SaveWeights")
+        return self._ops.json_op("/api/v1/save_weights", body, SaveWeightsResponse, "SaveWeights")
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Replace this run's weights with a checkpoint's (optimizer state untouched)."""
-        return self._json_op(
+        return self._ops.json_op(
             "/api/v1/load_weights",
             {"path": path, "optimizer": False},
             LoadWeightsResponse,
@@ -203,7 +199,7 @@ class TrainingClient:
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Replace this run's weights and optimizer state with a `save_state` checkpoint's."""
-        return self._json_op(
+        return self._ops.json_op(
             "/api/v1/load_weights",
             {"path": path, "optimizer": True},
             LoadWeightsResponse,
@@ -224,7 +220,7 @@ class TrainingClient:
             "ttl_seconds": ttl_seconds,
             "user_metadata": user_metadata,
         }
-        return self._json_op(
+        return self._ops.json_op(
             "/api/v1/save_weights_for_sampler",
             body,
             SaveWeightsForSamplerResponse,
@@ -238,7 +234,7 @@ class TrainingClient:
             A future of a SamplingClient that samples from these weights.
         """
         body = {"kind": "snapshot", "sampling_session_seq_id": self._session.next_sampling_seq_id()}
-        saved = self._json_op(
+        saved = self._ops.json_op(
             "/api/v1/save_weights_for_sampler",
             body,
             SaveWeightsForSamplerResponse,
@@ -255,7 +251,7 @@ class TrainingClient:
         folder loads with `peft.PeftModel.from_pretrained` or vLLM.
         """
         body = {"path": name, "ttl_seconds": ttl_seconds}
-        return self._json_op(
+        return self._ops.json_op(
             "/api/v1/save_weights_external",
             body,
             SaveWeightsExternalResponse,
@@ -320,132 +316,7 @@ class TrainingClient:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
-        return APIFuture(self._conn.loop.spawn(coro))
-
-    def _encode(
-        self,
-        chunk: list[Datum],
-        loss_fn: str,
-        config: dict[str, float | str] | None,
-        *,
-        forward_only: bool,
-    ) -> bytes:
-        request = ForwardBackwardRequest(
-            model_id=self.model_id,
-            seq_id=0,
-            data=chunk,
-            loss_fn=loss_fn,
-            loss_fn_config=config,
-            forward_only=forward_only,
-        )
-        return _encode(request)
-
-    def _forward_backward(
-        self,
-        data: Sequence[Datum],
-        loss_fn: str,
-        config: dict[str, float | str] | None,
-        *,
-        forward_only: bool,
-    ) -> APIFuture[ForwardBackwardOutput]:
-        chunks = split_batch(data, self._max_chunk_len, self._max_chunk_bytes)
-        # Encoded here, so bad data raises before a seq id is taken.
-        bodies = [
-            self._encode(chunk, loss_fn, config, forward_only=forward_only) for chunk in chunks
-        ]
-        first = self._seq.reserve(len(bodies))
-        return self._spawn(self._run_chunks(first, bodies))
-
-    async def _run_chunks(self, first: int, bodies: list[bytes]) -> ForwardBackwardOutput:
-        handles = []
-        async with self._seq.turn(first, len(bodies)):
-            await self._session.ensure()
-            for i, body in enumerate(bodies):
-                handles.append(await self._post_forward_backward(first + i, body))
-        outputs = await asyncio.gather(
-            *(
-                retrieve(
-                    self._conn.http,
-                    h.request_id,
-                    _decode_fb,
-                    request_type="ForwardBackward",
-                    protobuf=True,
-                )
-                for h in handles
-            )
-        )
-        return merge_outputs(outputs)
-
-    async def _post_forward_backward(self, seq_id: int, body: bytes) -> Any:
-        # Protobuf fields may repeat and the last wins: appending seq_id is setting it.
-        body = body + pb.ForwardBackwardRequest(seq_id=seq_id).SerializeToString()
-        headers = {"Content-Type": PROTOBUF_CONTENT_TYPE}
-        if self._compress:
-            body = zstandard.ZstdCompressor().compress(body)
-            headers["Content-Encoding"] = "zstd"
-        return await submit(
-            self._conn.http, "/api/v1/forward_backward", content=body, headers=headers
-        )
-
-    async def _run_custom(
-        self,
-        first: int,
-        chunks: list[list[Datum]],
-        bodies: list[bytes],
-        data: list[Datum],
-        loss_fn: CustomLossFn,
-    ) -> ForwardBackwardOutput:
-        n = len(chunks)
-        try:
-            forward = await self._run_chunks(first, bodies)
-            backward_data, metrics, loss_value = await asyncio.to_thread(
-                surrogate_data, data, forward, loss_fn
-            )
-        except BaseException:
-            # Fill the reserved backward ids with harmless forward passes, so the server does
-            # not wait for them and later operations of this run go ahead.
-            with contextlib.suppress(Exception):
-                await self._run_chunks(first + n, bodies)
-            raise
-        sizes = [len(c) for c in chunks]
-        offsets = [sum(sizes[:i]) for i in range(n)]
-        backward_bodies = await asyncio.to_thread(
-            lambda: [
-                self._encode(backward_data[o : o + s], "cross_entropy", None, forward_only=False)
-                for o, s in zip(offsets, sizes, strict=True)
-            ]
-        )
-        backward = await self._run_chunks(first + n, backward_bodies)
-        return custom_output(backward, metrics, loss_value)
-
-    def _json_op(
-        self, path: str, body: dict[str, Any], result_type: type[M], request_type: str
-    ) -> APIFuture[M]:
-        seq_id = self._seq.reserve()
-        payload = {k: v for k, v in body.items() if v is not None}
-        payload.update(model_id=self.model_id, seq_id=seq_id, type=path.rsplit("/", 1)[-1])
-
-        async def run() -> M:
-            async with self._seq.turn(seq_id):
-                await self._session.ensure()
-                handle = await submit(self._conn.http, path, json=payload)
-            return await retrieve(
-                self._conn.http,
-                handle.request_id,
-                lambda response: result_type.model_validate(response.json()),
-                request_type=request_type,
-            )
-
-        return self._spawn(run())
-
     def _sampling_client_for(self, saved: SaveWeightsForSamplerResponse) -> SamplingClient:
         if saved.sampling_session_id is None:
             raise ValueError("the server returned no sampling_session_id for the snapshot")
         return SamplingClient(self._conn, saved.sampling_session_id, self.base_model)
-
-
-def _decode_fb(response: httpx.Response) -> ForwardBackwardOutput:
-    if "json" in response.headers.get("content-type", ""):
-        return ForwardBackwardOutput.model_validate(response.json())
-    return decode_forward_backward_output(response.content)
