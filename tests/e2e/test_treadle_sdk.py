@@ -10,16 +10,19 @@ from __future__ import annotations
 import asyncio
 import pickle
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from rich.console import Console
 from sqlalchemy import func, select
+from typer.testing import CliRunner
 
 import treadle
 from core.tables import Operation
 from tests.e2e.conftest import LiveServer
-from treadle import types
+from treadle import cli, types
 
 pytestmark = pytest.mark.e2e
 
@@ -270,3 +273,32 @@ def test_transient_failures_are_retried_without_duplicate_ops(live_server: LiveS
         ).all()
     assert sorted(seq for seq, _ in per_seq) == list(range(0, 8))
     assert all(count == 1 for _, count in per_seq)
+
+
+def test_export_and_cli(
+    live_server: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = live_server.make_tenant().key
+    with treadle.ServiceClient(base_url=live_server.base_url, api_key=key) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, seed=1)
+        trainer.forward_backward([sft_datum()], "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2))
+        exported = trainer.export("peft").result().path
+        assert exported.endswith("/external_weights/peft")
+
+    monkeypatch.setattr(cli, "console", Console(width=400, emoji=False, highlight=False))
+    monkeypatch.setenv("TREADLE_BASE_URL", live_server.base_url)
+    monkeypatch.setenv("TREADLE_API_KEY", key)
+    runner = CliRunner()
+    runs = runner.invoke(cli.app, ["runs"])
+    assert runs.exit_code == 0, runs.output
+    assert trainer.model_id in runs.output
+    listed = runner.invoke(cli.app, ["checkpoints", "--run", trainer.model_id])
+    assert listed.exit_code == 0 and exported in listed.output
+    out = tmp_path / "adapter"
+    downloaded = runner.invoke(cli.app, ["download", exported, "--out", str(out)])
+    assert downloaded.exit_code == 0, downloaded.output
+    assert (out / "adapter_config.json").is_file()
+    assert any(out.glob("adapter_model.*"))
+    missing = runner.invoke(cli.app, ["download", exported.replace("peft", "nope")])
+    assert missing.exit_code == 1, missing.output
