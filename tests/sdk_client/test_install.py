@@ -1,0 +1,57 @@
+"""`pip install ./sdk` into a fresh virtual environment pulls no torch and no transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SDK = Path(__file__).resolve().parents[2] / "sdk"
+HEAVY = {"torch", "transformers", "numpy", "tokenizers", "tinker", "peft"}
+
+
+def test_pip_install_is_light(tmp_path: Path) -> None:
+    # Build from a clean copy: pip builds in the source tree and would leave build/ behind.
+    source = tmp_path / "sdk"
+    shutil.copytree(
+        SDK, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=tmp_path,
+    )
+    assert install.returncode == 0, install.stderr[-4000:]
+    listed = subprocess.run(
+        [python, "-m", "pip", "list", "--format=json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    installed = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert "treadle" in installed
+    assert not installed & HEAVY, sorted(installed & HEAVY)
+    smoke = subprocess.run(
+        [python, "-c", "import treadle, treadle.types, treadle.wire, treadle.cli; print('ok')"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,  # never the source tree
+    )
+    assert smoke.stdout.strip() == "ok", smoke.stderr
+    cli = subprocess.run(
+        [str(venv / "bin" / "treadle"), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert cli.returncode == 0 and "checkpoints" in cli.stdout
