@@ -100,3 +100,26 @@ def test_load_rejects_a_state_of_another_base_model(engine, tmp_path):
         assert "x" not in engine.run_ids()
     finally:
         engine.remove_run("other-base")
+
+
+@pytest.mark.parametrize("train_unembed", [True, False])
+def test_merged_export_of_a_tied_embedding_model(tmp_path, train_unembed):
+    from transformers import AutoModelForCausalLM
+
+    from gpu_worker.catalog import ModelEntry
+    from gpu_worker.engine import Engine, EngineSettings
+
+    base = Engine().catalog.resolve(TINY)
+    tied = ModelEntry(name="test/tied-1m", kind="tiny", tokenizer=base.tokenizer,
+                      config={**base.config, "tie_word_embeddings": True})
+    engine = Engine(EngineSettings(device="cpu", num_threads=1, catalog_entries=(tied,)))
+    assert engine.catalog.load_model("test/tied-1m").config.tie_word_embeddings
+    engine.create_run("t", "test/tied-1m", LoraSpec(rank=4, train_unembed=train_unembed))
+    train(engine, "t", range(2))
+    engine.export_merged("t", tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    assert model.config.tie_word_embeddings is (not train_unembed)
+    tokens = list(range(7, 30))
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+    np.testing.assert_allclose(engine.logits("t", tokens), want, atol=1e-4)

@@ -41,9 +41,10 @@ def make_data(loss_fn: str, seed: int, k: int = 0) -> list[Datum]:
     return data
 
 
-def reference(engine, run_id: str, loss_fn: str, data: list[Datum], config: dict):
+def reference(engine, run_id: str, loss_fn: str, data: list[Datum], config: dict,
+              model: str = TINY):
     """Loss, per-datum logprobs and grads from a fresh plain model with hooked LoRA."""
-    base = engine.catalog.load_model(TINY)
+    base = engine.catalog.load_model(model)
     adapter = engine._runs[run_id].adapter
     leaves = {name: (a.detach().clone().requires_grad_(True),
                      b.detach().clone().requires_grad_(True))
@@ -143,5 +144,23 @@ def test_forward_computes_without_gradients(engine):
         assert all(p.grad is None for p in engine._runs[run].adapter.parameters())
         fb = engine.forward_backward(run, data)
         assert fwd.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
+    finally:
+        engine.remove_run(run)
+
+
+def test_qwen2_architecture_matches_reference(engine):
+    """q/k/v biases (Qwen2) go through the same LoRA layer."""
+    run = "qwen-ref"
+    engine.create_run(run, "treadle/tiny-qwen-1m", LoraSpec(rank=3, seed=1))
+    try:
+        randomize_adapter(engine, run, seed=4)
+        data = make_data("ppo", seed=5)
+        result = engine.forward_backward(run, data, "ppo")
+        ref_loss, ref_logps, ref_grads = reference(engine, run, "ppo", data, {},
+                                                   model="treadle/tiny-qwen-1m")
+        assert result.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-4)
+        for out, want in zip(result.loss_fn_outputs, ref_logps, strict=True):
+            np.testing.assert_allclose(out["logprobs"], want, atol=1e-4)
+        assert_grads_close(adapter_grads(engine, run), ref_grads)
     finally:
         engine.remove_run(run)
