@@ -30,9 +30,10 @@ from core import sessions as session_service
 from core.clock import Clock, SystemClock
 from core.db import Database
 from core.objectstore import LocalArtifactStore
-from core.settings import Settings
+from core.settings import Mode, Settings
+from scheduler.dispatch import CeleryDispatcher, Dispatcher
 from scheduler.embedded import embedded_dispatcher
-from scheduler.notify import InProcessNotifier
+from scheduler.notify import InProcessNotifier, Notifier, RedisNotifier
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,16 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         settings.ensure_data_dir()
         dbschema.upgrade(database)
     dbschema.require_head(database)
-    notifier = InProcessNotifier()
     store = LocalArtifactStore(settings.resolved_artifact_url)
+    notifier: Notifier
+    dispatcher: Dispatcher
+    if settings.mode is Mode.DISTRIBUTED:
+        assert settings.redis_url is not None
+        notifier = RedisNotifier(settings.redis_url)
+        dispatcher = CeleryDispatcher(settings, database, clock)
+    else:
+        notifier = InProcessNotifier()
+        dispatcher = embedded_dispatcher(settings, database, clock, notifier, store)
     state = AppState(
         settings=settings,
         database=database,
@@ -59,13 +68,15 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         server_secret=settings.secret_bytes(),
         telemetry_limiter=TokenBuckets(settings.telemetry_per_minute),
         notifier=notifier,
-        dispatcher=embedded_dispatcher(settings, database, clock, notifier, store),
+        dispatcher=dispatcher,
         store=store,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.dispatcher.start()
+        if isinstance(notifier, RedisNotifier):
+            notifier.start_listening()
         sweeper = asyncio.create_task(_sweep_expired_sessions(state))
         try:
             yield
@@ -74,6 +85,8 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             await asyncio.to_thread(state.dispatcher.stop)
+            if isinstance(notifier, RedisNotifier):
+                notifier.stop()
             database.dispose()
 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)

@@ -88,6 +88,85 @@ def serve(
     uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
 
 
+def _distributed_settings(command: str) -> Settings:
+    settings = Settings()
+    if settings.mode is not Mode.DISTRIBUTED or settings.database_url is None:
+        raise _fail(
+            f"`treadle-server {command}` is for distributed mode: set TREADLE_DATABASE_URL (PostgreSQL) "
+            "and TREADLE_REDIS_URL; for one machine without them use `treadle-server serve`"
+        )
+    return settings
+
+
+def _logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+@app.command()
+def api(
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+) -> None:
+    """Run one API replica of distributed mode (run as many as needed behind a load balancer)."""
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = _distributed_settings("api")
+    _logging()
+    try:
+        application = create_app(settings)
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    uvicorn.run(
+        application, host=host or settings.host, port=port or settings.port, log_level="info"
+    )
+
+
+@app.command()
+def worker(
+    device: Annotated[str, typer.Option(help="cuda:N or cpu.")] = "auto",
+    models: Annotated[
+        list[str] | None, typer.Option("--models", help="Base models to serve (repeat).")
+    ] = None,
+    worker_id: Annotated[
+        str | None, typer.Option(help="Stable id; default host-device-random.")
+    ] = None,
+) -> None:
+    """Run one GPU worker of distributed mode: one per device."""
+    from api import dbschema
+    from scheduler.worker_process import default_worker_id, run_worker
+
+    settings = _distributed_settings("worker")
+    settings.device = device
+    _logging()
+    try:
+        settings.secret_bytes()
+        dbschema.require_head(Database(settings.resolved_database_url))
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    run_worker(
+        settings, worker_id=worker_id or default_worker_id(device), models=models or settings.models
+    )
+
+
+@app.command()
+def beat() -> None:
+    """Run the periodic jobs of distributed mode (exactly one instance)."""
+    from api import dbschema
+    from scheduler.beat import run_beat
+
+    settings = _distributed_settings("beat")
+    _logging()
+    try:
+        dbschema.require_head(Database(settings.resolved_database_url))
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    run_beat(settings, SystemClock())
+
+
 @app.command()
 def migrate(
     revision: Annotated[str, typer.Option(help="Target revision.")] = "head",

@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     torch_threads: int = 1
     engine_max_lora_rank: int = 128
     gap_timeout_seconds: float = 120.0
+    # A worker whose lease is not renewed for this long is dead; its runs move elsewhere.
+    worker_lease_seconds: float = 15.0
     # Save each run's full state every this many optimizer steps; recovery replays the rest.
     snapshot_every_steps: int = 10
     max_queued_samples: int = 2048

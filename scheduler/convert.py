@@ -44,7 +44,9 @@ def _tokens(model_input: Any, where: str) -> list[int]:
     try:
         tokens: list[int] = model_input.to_ints()
     except (ValueError, TypeError) as exc:
-        raise ep.UserInputError(f"{where}: {exc}; send token ids (encoded_text chunks) only") from exc
+        raise ep.UserInputError(
+            f"{where}: {exc}; send token ids (encoded_text chunks) only"
+        ) from exc
     return tokens
 
 
@@ -57,7 +59,9 @@ def datums(request: ForwardBackwardRequest) -> list[ep.Datum]:
 
 def _datum(datum: Datum, where: str) -> ep.Datum:
     inputs = {name: tensor.to_numpy() for name, tensor in datum.loss_fn_inputs.items()}
-    return ep.Datum(tokens=_tokens(datum.model_input, f"{where}.model_input"), loss_fn_inputs=inputs)
+    return ep.Datum(
+        tokens=_tokens(datum.model_input, f"{where}.model_input"), loss_fn_inputs=inputs
+    )
 
 
 def loss_config(request: ForwardBackwardRequest) -> dict[str, float] | None:
@@ -89,21 +93,32 @@ def adam(params: AdamParams | None) -> ep.AdamParams:
 
 def forward_backward_output(result: ep.ForwardBackwardResult) -> bytes:
     outputs = [
-        {name: TensorData.from_numpy(np.ascontiguousarray(array)) for name, array in per_datum.items()}
+        {
+            name: TensorData.from_numpy(np.ascontiguousarray(array))
+            for name, array in per_datum.items()
+        }
         for per_datum in result.loss_fn_outputs
     ]
     return encode_forward_backward_output(
-        ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=result.metrics)
+        ForwardBackwardOutput(
+            loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=result.metrics
+        )
     )
 
 
-def sample_request(request: SampleRequest, *, run_id: str | None, base_model: str) -> ep.SampleRequest:
+def sample_request(
+    request: SampleRequest, *, run_id: str | None, base_model: str
+) -> ep.SampleRequest:
     if request.prompt_alt_tokens_k:
         raise ep.UserInputError("prompt_alt_tokens_k is not supported; leave it at 0")
     if request.target_prompt_logprobs is not None:
-        raise ep.UserInputError("target_prompt_logprobs is not supported; compute logprobs of the target with compute_logprobs")
+        raise ep.UserInputError(
+            "target_prompt_logprobs is not supported; compute logprobs of the target with compute_logprobs"
+        )
     if request.topk_sample_logprobs:
-        raise ep.UserInputError("topk_sample_logprobs is not supported; leave it at 0 (sampled-token logprobs are always returned)")
+        raise ep.UserInputError(
+            "topk_sample_logprobs is not supported; leave it at 0 (sampled-token logprobs are always returned)"
+        )
     if request.record_stability_info:
         raise ep.UserInputError(
             "record_stability_info is not supported yet; train with importance_sampling, ppo or cispo instead of stable_reinforce"
@@ -148,8 +163,12 @@ def sample_output(request: SampleRequest, result: ep.SampleResult) -> bytes:
     if request.topk_prompt_logprobs and result.topk_prompt_logprobs is not None:
         ids, lps = result.topk_prompt_logprobs
         topk = [
-            None if row == 0 else [(int(t), float(lp)) for t, lp in zip(ids[row], lps[row], strict=True)]
+            None
+            if row == 0
+            else [(int(t), float(lp)) for t, lp in zip(ids[row], lps[row], strict=True)]
             for row in range(ids.shape[0])
         ]
-    response = SampleResponse(sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
+    response = SampleResponse(
+        sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk
+    )
     return encode_sample_response(response)

@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from core.clock import Clock
+from core.db import Database
+from core.settings import Settings
+from scheduler.celery_app import RUN_READY_TASK, worker_queue
+from scheduler.placement import place
+
 if TYPE_CHECKING:
+    from celery import Celery
+
     from scheduler.worker_host import WorkerHost
 
 log = logging.getLogger(__name__)
+
+# How often an idle engine looks for runs whose sessions ended, to free their memory.
+EVICT_EVERY_SECONDS = 15.0
 
 
 class Dispatcher(Protocol):
@@ -24,8 +36,8 @@ class Dispatcher(Protocol):
 
     def stop(self) -> None: ...
 
-    def wake(self) -> None:
-        """New work was submitted."""
+    def wake(self, target_id: str | None = None) -> None:
+        """New work was submitted for `target_id` (a training run or sampling session)."""
         ...
 
     def wait_ready(self, timeout: float) -> bool:
@@ -41,7 +53,9 @@ class Dispatcher(Protocol):
 class EmbeddedDispatcher:
     """One engine thread: claims ready ops, runs them, records results, sleeps until woken."""
 
-    def __init__(self, host_factory: Callable[[], WorkerHost], *, idle_poll_seconds: float = 0.5) -> None:
+    def __init__(
+        self, host_factory: Callable[[], WorkerHost], *, idle_poll_seconds: float = 0.5
+    ) -> None:
         self._host_factory = host_factory
         self._idle_poll = idle_poll_seconds
         self._wake = threading.Event()
@@ -60,7 +74,7 @@ class EmbeddedDispatcher:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
-    def wake(self) -> None:
+    def wake(self, target_id: str | None = None) -> None:
         self._wake.set()
 
     def wait_ready(self, timeout: float) -> bool:
@@ -75,16 +89,68 @@ class EmbeddedDispatcher:
             host = self._host_factory()
         except Exception as exc:
             log.exception("the engine failed to start")
-            self._failure = f"the engine failed to start ({type(exc).__name__}: {exc}); see the server log"
+            self._failure = (
+                f"the engine failed to start ({type(exc).__name__}: {exc}); see the server log"
+            )
             self._ready.set()
             return
         self._ready.set()
+        last_eviction = time.monotonic()
         while not self._stop.is_set():
             try:
                 done = host.step()
+                if time.monotonic() - last_eviction > EVICT_EVERY_SECONDS:
+                    host.evict_ended()
+                    last_eviction = time.monotonic()
             except Exception:
                 log.exception("engine step failed")
                 done = 0
             if not done:
                 self._wake.wait(self._idle_poll)
                 self._wake.clear()
+
+
+class CeleryDispatcher:
+    """Distributed mode: place the target on a live worker and wake it through its own queue.
+
+    The message carries no work, only "look at the database": workers claim ops from there, so
+    a duplicated or lost message costs nothing but a poll.
+    """
+
+    def __init__(self, settings: Settings, database: Database, clock: Clock) -> None:
+        from scheduler.celery_app import make_celery
+
+        self._settings = settings
+        self._database = database
+        self._clock = clock
+        self._celery = make_celery(settings)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def wait_ready(self, timeout: float) -> bool:
+        return True
+
+    @property
+    def failure(self) -> str | None:
+        return None
+
+    def wake(self, target_id: str | None = None) -> None:
+        if target_id is None:
+            return
+        with self._database.transaction() as db:
+            worker_id = place(db, self._settings, self._clock.now(), target_id)
+        if worker_id is None:
+            log.info("no live worker can take %s yet; its ops wait", target_id)
+            return
+        wake_worker(self._celery, worker_id)
+
+
+def wake_worker(celery: Celery, worker_id: str) -> None:
+    try:
+        celery.send_task(RUN_READY_TASK, args=[worker_id], queue=worker_queue(worker_id))
+    except Exception:
+        log.warning("could not wake worker %s; it will find the work on its next poll", worker_id)

@@ -23,9 +23,16 @@ def embedded_dispatcher(
         from scheduler.worker_host import WorkerHost, build_engine
 
         engine = build_engine(settings)
-        host = WorkerHost(database, clock, engine, store, notifier, worker_id="embedded",
-                          gap_timeout_seconds=settings.gap_timeout_seconds,
-                          snapshot_every_steps=settings.snapshot_every_steps)
+        host = WorkerHost(
+            database,
+            clock,
+            engine,
+            store,
+            notifier,
+            worker_id="embedded",
+            gap_timeout_seconds=settings.gap_timeout_seconds,
+            snapshot_every_steps=settings.snapshot_every_steps,
+        )
         host.register(settings.models, store)
         return host
 

@@ -62,8 +62,12 @@ class Outcome:
         return cls(error=(category, message))
 
     @classmethod
-    def json(cls, model: BaseModel, usage: list[UsageLine] | None = None,
-             apply: Callable[[OrmSession], object] | None = None) -> Outcome:
+    def json(
+        cls,
+        model: BaseModel,
+        usage: list[UsageLine] | None = None,
+        apply: Callable[[OrmSession], object] | None = None,
+    ) -> Outcome:
         body = model.model_dump_json(exclude_none=True).encode()
         return cls(result=body, codec=JSON, usage=usage or [], apply=apply)
 
@@ -83,12 +87,17 @@ def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
         return Outcome.failed("user", str(exc))
     except Exception as exc:
         log.exception("operation %s (%s) failed", task.id, task.kind)
-        return Outcome.failed("server", f"{task.kind} failed on the server ({type(exc).__name__}); retry, "
-                              "and report it to the operator if it persists")
+        return Outcome.failed(
+            "server",
+            f"{task.kind} failed on the server ({type(exc).__name__}); retry, "
+            "and report it to the operator if it persists",
+        )
 
 
 class Executor:
-    def __init__(self, engine: Engine, store: ArtifactStore, database: Database, clock: Clock) -> None:
+    def __init__(
+        self, engine: Engine, store: ArtifactStore, database: Database, clock: Clock
+    ) -> None:
         self.engine = engine
         self.store = store
         self.database = database
@@ -101,10 +110,15 @@ class Executor:
         ops: list[tuple[Task, ep.ForwardBackwardOp]] = []
         for task in tasks:
             try:
-                request = decode_forward_backward_request(task.payload, content_encoding=_encoding(task))
+                request = decode_forward_backward_request(
+                    task.payload, content_encoding=_encoding(task)
+                )
                 op = ep.ForwardBackwardOp(
-                    run_id=task.target_id, data=convert.datums(request), loss_fn=request.loss_fn,
-                    loss_fn_config=convert.loss_config(request), forward_only=request.forward_only,
+                    run_id=task.target_id,
+                    data=convert.datums(request),
+                    loss_fn=request.loss_fn,
+                    loss_fn_config=convert.loss_config(request),
+                    forward_only=request.forward_only,
                 )
             except (WireFormatError, ep.UserInputError) as exc:
                 outcomes[task.id] = Outcome.failed("user", str(exc))
@@ -115,13 +129,22 @@ class Executor:
                 results = self.engine.forward_backward_batch([op for _, op in ops])
             except Exception:
                 log.exception("forward_backward batch failed")
-                results = [ep.OpError("server", "forward_backward failed on the server; retry") for _ in ops]
+                results = [
+                    ep.OpError("server", "forward_backward failed on the server; retry")
+                    for _ in ops
+                ]
             for (task, _), result in zip(ops, results, strict=True):
                 if isinstance(result, ep.OpError):
                     outcomes[task.id] = Outcome.failed(result.category, result.message)
                 else:
-                    outcomes[task.id] = _guarded(task, lambda r=result: Outcome(  # type: ignore[misc]
-                        result=convert.forward_backward_output(r), codec=PROTO, usage=usage_lines(r.usage)))
+                    outcomes[task.id] = _guarded(
+                        task,
+                        lambda r=result: Outcome(  # type: ignore[misc]
+                            result=convert.forward_backward_output(r),
+                            codec=PROTO,
+                            usage=usage_lines(r.usage),
+                        ),
+                    )
         return outcomes
 
     # --- sampling, batched across requests and adapters ---------------------------------
@@ -131,22 +154,38 @@ class Executor:
         prepared: list[tuple[Task, SampleRequest, ep.SampleRequest]] = []
         for task in tasks:
             try:
-                wire = SampleRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+                wire = SampleRequest.model_validate_json(
+                    decode_payload(task.payload, task.payload_codec)
+                )
                 run_id = self._sampler_run(task)
-                prepared.append((task, wire, convert.sample_request(wire, run_id=run_id, base_model=task.base_model)))
+                prepared.append(
+                    (
+                        task,
+                        wire,
+                        convert.sample_request(wire, run_id=run_id, base_model=task.base_model),
+                    )
+                )
             except ep.UserInputError as exc:
                 outcomes[task.id] = Outcome.failed("user", str(exc))
             except Exception as exc:
                 log.exception("preparing sample %s failed", task.id)
-                outcomes[task.id] = Outcome.failed("server", f"sampling failed on the server ({type(exc).__name__}); retry")
+                outcomes[task.id] = Outcome.failed(
+                    "server", f"sampling failed on the server ({type(exc).__name__}); retry"
+                )
         if prepared:
             results = self.engine.sample_batch([req for _, _, req in prepared])
             for (task, wire, _), result in zip(prepared, results, strict=True):
                 if isinstance(result, ep.OpError):
                     outcomes[task.id] = Outcome.failed(result.category, result.message)
                 else:
-                    outcomes[task.id] = _guarded(task, lambda w=wire, r=result: Outcome(  # type: ignore[misc]
-                        result=convert.sample_output(w, r), codec=PROTO, usage=usage_lines(r.usage)))
+                    outcomes[task.id] = _guarded(
+                        task,
+                        lambda w=wire, r=result: Outcome(  # type: ignore[misc]
+                            result=convert.sample_output(w, r),
+                            codec=PROTO,
+                            usage=usage_lines(r.usage),
+                        ),
+                    )
         return outcomes
 
     def _sampler_run(self, task: Task) -> str | None:
@@ -159,7 +198,9 @@ class Executor:
                 version = db.get(ModelVersion, task.sampler_version_id)
                 uri = version.artifact_uri if version is not None else None
             if uri is None:
-                raise ep.UserInputError("the weights of this sampling session were deleted; create a new sampling client")
+                raise ep.UserInputError(
+                    "the weights of this sampling session were deleted; create a new sampling client"
+                )
             self.engine.load_state(run_id, self.store.open_dir(uri), include_optimizer=False)
         return run_id
 
@@ -180,16 +221,24 @@ class Executor:
     def replay(self, task: Task) -> None:
         """Re-apply a recorded op's effect on the engine (recovery); its result is not kept."""
         if task.kind is OpKind.FORWARD_BACKWARD:
-            request = decode_forward_backward_request(task.payload, content_encoding=_encoding(task))
+            request = decode_forward_backward_request(
+                task.payload, content_encoding=_encoding(task)
+            )
             if not request.forward_only:
-                self.engine.forward_backward(task.target_id, convert.datums(request), request.loss_fn,
-                                             convert.loss_config(request))
+                self.engine.forward_backward(
+                    task.target_id,
+                    convert.datums(request),
+                    request.loss_fn,
+                    convert.loss_config(request),
+                )
         elif task.kind is OpKind.OPTIM_STEP:
             self._optim_step(task)
         elif task.kind in (OpKind.CREATE_MODEL, OpKind.LOAD_WEIGHTS, OpKind.UNLOAD_MODEL):
             outcome = self.run(task)
             if outcome.error is not None:
-                raise RuntimeError(f"replaying {task.kind} seq {task.seq_id} failed: {outcome.error[1]}")
+                raise RuntimeError(
+                    f"replaying {task.kind} seq {task.seq_id} failed: {outcome.error[1]}"
+                )
         # Saves changed nothing on the engine: their artifacts are already stored.
 
     def snapshot(self, task: Task) -> tuple[str, str]:
@@ -201,14 +250,20 @@ class Executor:
 
     def _create_model(self, task: Task) -> Outcome:
         payload = decode_json_payload(task.payload, task.payload_codec)
-        self.engine.create_run(task.target_id, payload["base_model"], convert.lora_spec(payload["lora_config"]))
-        return Outcome.json(CreateModelResponse(model_id=task.target_id), apply=_activate(task.target_id))
+        self.engine.create_run(
+            task.target_id, payload["base_model"], convert.lora_spec(payload["lora_config"])
+        )
+        return Outcome.json(
+            CreateModelResponse(model_id=task.target_id), apply=_activate(task.target_id)
+        )
 
     def _load_weights(self, task: Task) -> Outcome:
         payload = decode_json_payload(task.payload, task.payload_codec)
         self.engine.load_state(
-            task.target_id, self.store.open_dir(payload["artifact_uri"]),
-            include_optimizer=bool(payload["optimizer"]), base_model=payload["base_model"],
+            task.target_id,
+            self.store.open_dir(payload["artifact_uri"]),
+            include_optimizer=bool(payload["optimizer"]),
+            base_model=payload["base_model"],
         )
 
         def apply(db: OrmSession) -> None:
@@ -219,13 +274,19 @@ class Executor:
             # Follow the engine's step counter: the checkpoint's with the optimizer, else 0.
             if not payload["optimizer"]:
                 run.optim_steps = 0
-            elif (version := checkpoints.find_by_path(db, payload["path"])) and version.step is not None:
+            elif (
+                version := checkpoints.find_by_path(db, payload["path"])
+            ) and version.step is not None:
                 run.optim_steps = version.step
 
-        return Outcome.json(LoadWeightsResponse(path=payload["path"], model_id=task.target_id), apply=apply)
+        return Outcome.json(
+            LoadWeightsResponse(path=payload["path"], model_id=task.target_id), apply=apply
+        )
 
     def _optim_step(self, task: Task) -> Outcome:
-        request = OptimStepRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        request = OptimStepRequest.model_validate_json(
+            decode_payload(task.payload, task.payload_codec)
+        )
         result = self.engine.optim_step(task.target_id, convert.adam(request.adam_params))
 
         def apply(db: OrmSession) -> None:
@@ -235,9 +296,18 @@ class Executor:
 
         return Outcome.json(OptimStepResponse(metrics=result.metrics), apply=apply)
 
-    def _save(self, task: Task, kind: str, name: str | None, *, optimizer: bool, export: bool = False,
-              ttl_seconds: int | None = None, overwrite: bool = False,
-              user_metadata: dict[str, str] | None = None) -> tuple[int, Callable[[OrmSession], ModelVersion]]:
+    def _save(
+        self,
+        task: Task,
+        kind: str,
+        name: str | None,
+        *,
+        optimizer: bool,
+        export: bool = False,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: dict[str, str] | None = None,
+    ) -> tuple[int, Callable[[OrmSession], ModelVersion]]:
         """Write the run's weights to the store; returns its size and the registering callback."""
         key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/{kind}/{name or 'snapshot'}-{task.id}"
         folder = self.store.local_dir(key)
@@ -252,30 +322,63 @@ class Executor:
             run = db.get(TrainingRun, task.target_id)
             assert run is not None
             return checkpoints.register(
-                db, self.clock, run=run, kind=kind, name=name, artifact_uri=uri, size_bytes=size,
-                sha256=digest, ttl_seconds=ttl_seconds, user_metadata=user_metadata, overwrite=overwrite,
+                db,
+                self.clock,
+                run=run,
+                kind=kind,
+                name=name,
+                artifact_uri=uri,
+                size_bytes=size,
+                sha256=digest,
+                ttl_seconds=ttl_seconds,
+                user_metadata=user_metadata,
+                overwrite=overwrite,
             )
 
         return size, register
 
     def _save_weights(self, task: Task) -> Outcome:
-        request = SaveWeightsRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        request = SaveWeightsRequest.model_validate_json(
+            decode_payload(task.payload, task.payload_codec)
+        )
         name = request.path or f"step-{task.seq_id}"
-        _, register = self._save(task, "training", name, optimizer=True, ttl_seconds=request.ttl_seconds,
-                                 overwrite=request.overwrite, user_metadata=request.user_metadata)
+        _, register = self._save(
+            task,
+            "training",
+            name,
+            optimizer=True,
+            ttl_seconds=request.ttl_seconds,
+            overwrite=request.overwrite,
+            user_metadata=request.user_metadata,
+        )
         path = checkpoints.tinker_path(task.target_id, "training", name)
-        return Outcome.json(SaveWeightsResponse(path=path), usage=[UsageLine("checkpoint", 1)], apply=register)
+        return Outcome.json(
+            SaveWeightsResponse(path=path), usage=[UsageLine("checkpoint", 1)], apply=register
+        )
 
     def _save_for_sampler(self, task: Task) -> Outcome:
-        request = SaveWeightsForSamplerRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        request = SaveWeightsForSamplerRequest.model_validate_json(
+            decode_payload(task.payload, task.payload_codec)
+        )
         if request.path is None and request.sampling_session_seq_id is None:
-            raise ep.UserInputError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
-        _, register = self._save(task, "sampler", request.path, optimizer=False,
-                                 ttl_seconds=request.ttl_seconds, user_metadata=request.user_metadata)
+            raise ep.UserInputError(
+                "save_weights_for_sampler needs a name (path) or a sampling_session_seq_id"
+            )
+        _, register = self._save(
+            task,
+            "sampler",
+            request.path,
+            optimizer=False,
+            ttl_seconds=request.ttl_seconds,
+            user_metadata=request.user_metadata,
+        )
         if request.path is not None:
             path = checkpoints.tinker_path(task.target_id, "sampler", request.path)
-            return Outcome.json(SaveWeightsForSamplerResponse(path=path), usage=[UsageLine("checkpoint", 1)],
-                                apply=register)
+            return Outcome.json(
+                SaveWeightsForSamplerResponse(path=path),
+                usage=[UsageLine("checkpoint", 1)],
+                apply=register,
+            )
         seq = request.sampling_session_seq_id
         assert seq is not None
         sampler_id = sampling_session_id(task.session_id, seq)
@@ -283,23 +386,45 @@ class Executor:
         def apply(db: OrmSession) -> None:
             version = register(db)
             runs.create_sampling_session(
-                db, self.clock, tenant_id=task.tenant_id, session_id=task.session_id, seq=seq,
-                base_model=task.base_model, model_path=None, training_run_id=task.target_id,
+                db,
+                self.clock,
+                tenant_id=task.tenant_id,
+                session_id=task.session_id,
+                seq=seq,
+                base_model=task.base_model,
+                model_path=None,
+                training_run_id=task.target_id,
                 model_version_id=version.id,
             )
 
-        return Outcome.json(SaveWeightsForSamplerResponse(sampling_session_id=sampler_id),
-                            usage=[UsageLine("checkpoint", 1)], apply=apply)
+        return Outcome.json(
+            SaveWeightsForSamplerResponse(sampling_session_id=sampler_id),
+            usage=[UsageLine("checkpoint", 1)],
+            apply=apply,
+        )
 
     def _save_external(self, task: Task) -> Outcome:
-        request = SaveWeightsExternalRequest.model_validate_json(decode_payload(task.payload, task.payload_codec))
+        request = SaveWeightsExternalRequest.model_validate_json(
+            decode_payload(task.payload, task.payload_codec)
+        )
         if request.age_encryption_recipients:
-            raise ep.UserInputError("age encryption of exports is not supported; omit age_encryption_recipients")
-        size, register = self._save(task, "external", request.path, optimizer=False, export=True,
-                                    ttl_seconds=request.ttl_seconds)
+            raise ep.UserInputError(
+                "age encryption of exports is not supported; omit age_encryption_recipients"
+            )
+        size, register = self._save(
+            task,
+            "external",
+            request.path,
+            optimizer=False,
+            export=True,
+            ttl_seconds=request.ttl_seconds,
+        )
         path = checkpoints.tinker_path(task.target_id, "external", request.path)
-        return Outcome.json(SaveWeightsExternalResponse(path=path, size_bytes=size),
-                            usage=[UsageLine("checkpoint", 1)], apply=register)
+        return Outcome.json(
+            SaveWeightsExternalResponse(path=path, size_bytes=size),
+            usage=[UsageLine("checkpoint", 1)],
+            apply=register,
+        )
 
     def _unload(self, task: Task) -> Outcome:
         self.engine.remove_run(task.target_id)
@@ -324,4 +449,3 @@ def _activate(run_id: str) -> Callable[[OrmSession], None]:
             run.status = runs.ACTIVE
 
     return apply
-

@@ -8,8 +8,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from core.errors import NotFound
-from core.tables import Operation
-from scheduler.submit import DONE, FAILED
+from core.tables import Operation, SamplingSession, TrainingRun
+from scheduler.submit import DONE, FAILED, QUEUED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,17 +22,36 @@ class FutureState:
     queue_state: str = "active"
 
 
-def read_future(db: OrmSession, tenant_id: str, request_id: str) -> FutureState:
+def read_future(
+    db: OrmSession, tenant_id: str, request_id: str, *, placed: bool = False
+) -> FutureState:
+    """The op's state. With `placed`, a queued op whose target no worker holds reports
+    `paused_capacity` (distributed mode, while no live worker can take it)."""
     row = db.execute(
-        select(Operation.status, Operation.result, Operation.result_codec, Operation.error_message,
-               Operation.error_category)
-        .where(Operation.id == request_id, Operation.tenant_id == tenant_id)
+        select(
+            Operation.status,
+            Operation.result,
+            Operation.result_codec,
+            Operation.error_message,
+            Operation.error_category,
+            Operation.target_id,
+        ).where(Operation.id == request_id, Operation.tenant_id == tenant_id)
     ).one_or_none()
     if row is None:
-        raise NotFound(f"request {request_id!r} not found; it was never submitted with this key's account")
-    status, result, codec, message, category = row
+        raise NotFound(
+            f"request {request_id!r} not found; it was never submitted with this key's account"
+        )
+    status, result, codec, message, category, target_id = row
     if status == DONE:
         return FutureState(done=True, result=result, result_codec=codec)
     if status == FAILED:
         return FutureState(done=True, error_message=message, error_category=category)
+    if placed and status == QUEUED:
+        holder = db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == target_id))
+        if holder is None:
+            holder = db.scalar(
+                select(SamplingSession.worker_id).where(SamplingSession.id == target_id)
+            )
+        if holder is None:
+            return FutureState(done=False, queue_state="paused_capacity")
     return FutureState(done=False)

@@ -73,8 +73,12 @@ def submit(
     return Submitted(op.id, duplicate=False)
 
 
-def _existing(db: OrmSession, tenant_id: str, target_id: str, seq_id: int, kind: OpKind) -> Operation | None:
-    existing = db.scalar(select(Operation).where(Operation.target_id == target_id, Operation.seq_id == seq_id))
+def _existing(
+    db: OrmSession, tenant_id: str, target_id: str, seq_id: int, kind: OpKind
+) -> Operation | None:
+    existing = db.scalar(
+        select(Operation).where(Operation.target_id == target_id, Operation.seq_id == seq_id)
+    )
     if existing is None:
         return None
     if existing.tenant_id != tenant_id:
@@ -106,8 +110,15 @@ def submit_training_op(
     if seq_id < 1:
         raise InvalidInput(f"seq_id {seq_id} is invalid; training requests count seq_id from 1")
     submitted = submit(
-        db, clock, tenant_id=run.tenant_id, session_id=run.session_id, target_id=run.id,
-        seq_id=seq_id, kind=kind, payload=payload, payload_codec=payload_codec,
+        db,
+        clock,
+        tenant_id=run.tenant_id,
+        session_id=run.session_id,
+        target_id=run.id,
+        seq_id=seq_id,
+        kind=kind,
+        payload=payload,
+        payload_codec=payload_codec,
     )
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import shutil
 import socket
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +26,7 @@ from core.db import Database
 from core.errors import TreadleError
 from core.objectstore import ArtifactStore
 from core.settings import Settings
-from core.tables import Operation, SamplingSession, TrainingRun, Worker
+from core.tables import Operation, SamplingSession, Session, TrainingRun, Worker
 from gpu_worker.engine import Engine, EngineSettings
 from scheduler.execute import Executor, Outcome
 from scheduler.models import tokenizer_key
@@ -65,10 +66,19 @@ def build_engine(settings: Settings) -> Engine:
     )
 
 
-TOKENIZER_FILES = frozenset({
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-})
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
 
 
 class WorkerHost:
@@ -84,6 +94,8 @@ class WorkerHost:
         gap_timeout_seconds: float = 120.0,
         max_sample_batch: int = 64,
         snapshot_every_steps: int = 10,
+        owned_only: bool = False,
+        lease_seconds: float = 15.0,
     ) -> None:
         self.database = database
         self.clock = clock
@@ -94,6 +106,11 @@ class WorkerHost:
         self.max_sample_batch = max_sample_batch
         self.store = store
         self.snapshot_every_steps = snapshot_every_steps
+        # Distributed workers run only the runs and samplers placed on them; the embedded one
+        # runs everything.
+        self.owned_only = owned_only
+        self.lease = timedelta(seconds=lease_seconds)
+        self._lock = threading.Lock()
         self.executor = Executor(engine, store, database, clock)
 
     # --- start-up -------------------------------------------------------------------------
@@ -116,13 +133,75 @@ class WorkerHost:
             worker.hostname = socket.gethostname()
             worker.device = str(self.engine.device)
             worker.models = [
-                {"name": name, "max_context_length": info.max_context_length, "vocab_size": info.vocab_size}
+                {
+                    "name": name,
+                    "max_context_length": info.max_context_length,
+                    "vocab_size": info.vocab_size,
+                }
                 for name, info in zip(models, infos, strict=True)
             ]
             worker.capacity_runs, worker.capacity_tokens = 10_000, 1 << 30
-            worker.status, worker.lease_expires_at = "live", now + timedelta(days=3650)
+            worker.status, worker.lease_expires_at = "live", now + self.lease
             db.merge(worker)
-            db.execute(update(Operation).where(Operation.status == RUNNING).values(status=QUEUED))
+            # Whatever this worker was running when it last stopped never finished: run it again.
+            db.execute(
+                update(Operation)
+                .where(Operation.status == RUNNING, Operation.worker_id == self.worker_id)
+                .values(status=QUEUED)
+            )
+
+    def renew_lease(self) -> bool:
+        """Extend this worker's lease; False when it was declared dead meanwhile (then stop)."""
+        with self.database.transaction() as db:
+            worker = db.get(Worker, self.worker_id)
+            if worker is None or worker.status != "live":
+                return False
+            worker.lease_expires_at = self.clock.now() + self.lease
+            return True
+
+    def drain(self) -> int:
+        """Step until nothing is ready; safe to call from several threads."""
+        total = 0
+        with self._lock:
+            while done := self.step():
+                total += done
+        return total
+
+    def evict_ended(self) -> list[str]:
+        """Drop runs and samplers whose session ended or that moved away, freeing their memory."""
+        held = self.engine.run_ids()
+        if not held:
+            return []
+        with self.database.reader() as db:
+            keep = set(
+                db.scalars(
+                    select(TrainingRun.id)
+                    .join(Session, Session.id == TrainingRun.session_id)
+                    .where(
+                        TrainingRun.id.in_(held),
+                        Session.status == "active",
+                        TrainingRun.status.in_(("pending", "active")),
+                        *((TrainingRun.worker_id == self.worker_id,) if self.owned_only else ()),
+                    )
+                )
+            )
+            samplers = set(
+                db.scalars(
+                    select(SamplingSession.model_version_id)
+                    .join(Session, Session.id == SamplingSession.session_id)
+                    .where(
+                        Session.status == "active", SamplingSession.model_version_id.is_not(None)
+                    )
+                )
+            )
+        keep |= {f"sampler:{version}" for version in samplers}
+        dropped = [run_id for run_id in held if run_id not in keep]
+        with self._lock:
+            for run_id in dropped:
+                self.engine.remove_run(run_id)
+        if dropped:
+            log.info("freed %d runs whose sessions ended", len(dropped))
+        return dropped
 
     # --- the loop body --------------------------------------------------------------------
 
@@ -163,8 +242,11 @@ class WorkerHost:
             return Outcome.failed("server", str(exc))
         except Exception as exc:
             log.exception("restoring %s failed", task.target_id)
-            return Outcome.failed("server", f"restoring training run {task.target_id} failed ({exc}); "
-                                  "create a new training client from your last checkpoint")
+            return Outcome.failed(
+                "server",
+                f"restoring training run {task.target_id} failed ({exc}); "
+                "create a new training client from your last checkpoint",
+            )
         return None
 
     def _maybe_snapshot(self, task: Task) -> None:
@@ -178,7 +260,9 @@ class WorkerHost:
         try:
             _, uri = self.executor.snapshot(task)
         except Exception:
-            log.exception("snapshot of %s failed; recovery will replay from the previous one", task.target_id)
+            log.exception(
+                "snapshot of %s failed; recovery will replay from the previous one", task.target_id
+            )
             return
         with self.database.transaction() as db:
             run = db.get(TrainingRun, task.target_id)
@@ -207,25 +291,42 @@ class WorkerHost:
                         Operation.seq_id == TrainingRun.executed_seq_id + 1,
                         and_(Operation.seq_id == UNLOAD_SEQ, nothing_before),
                     ),
+                    *((TrainingRun.worker_id == self.worker_id,) if self.owned_only else ()),
                 )
             ).all()
             rows.extend((op, base, None) for op, base in training)
             samples = db.execute(
                 select(Operation, SamplingSession.base_model, SamplingSession.model_version_id)
                 .join(SamplingSession, SamplingSession.id == Operation.target_id)
-                .where(Operation.status == QUEUED, Operation.kind == OpKind.SAMPLE.value)
+                .where(
+                    Operation.status == QUEUED,
+                    Operation.kind == OpKind.SAMPLE.value,
+                    *((SamplingSession.worker_id == self.worker_id,) if self.owned_only else ()),
+                )
                 .order_by(Operation.created_at)
                 .limit(self.max_sample_batch)
             ).all()
             rows.extend((op, base, version) for op, base, version in samples)
             tasks = []
             for op, base_model, version_id in rows:
-                op.status, op.started_at, op.attempts, op.worker_id = RUNNING, now, op.attempts + 1, self.worker_id
+                op.status, op.started_at, op.attempts, op.worker_id = (
+                    RUNNING,
+                    now,
+                    op.attempts + 1,
+                    self.worker_id,
+                )
                 tasks.append(
                     Task(
-                        id=op.id, kind=OpKind(op.kind), tenant_id=op.tenant_id, session_id=op.session_id,
-                        target_id=op.target_id, seq_id=op.seq_id, payload=op.payload,
-                        payload_codec=op.payload_codec, base_model=base_model, sampler_version_id=version_id,
+                        id=op.id,
+                        kind=OpKind(op.kind),
+                        tenant_id=op.tenant_id,
+                        session_id=op.session_id,
+                        target_id=op.target_id,
+                        seq_id=op.seq_id,
+                        payload=op.payload,
+                        payload_codec=op.payload_codec,
+                        base_model=base_model,
+                        sampler_version_id=version_id,
                     )
                 )
             return tasks
@@ -235,21 +336,29 @@ class WorkerHost:
         waiting = db.execute(
             select(TrainingRun, func.min(Operation.seq_id), func.min(Operation.created_at))
             .join(Operation, Operation.target_id == TrainingRun.id)
-            .where(Operation.status == QUEUED, Operation.seq_id > TrainingRun.executed_seq_id + 1,
-                   Operation.seq_id < UNLOAD_SEQ)
+            .where(
+                Operation.status == QUEUED,
+                Operation.seq_id > TrainingRun.executed_seq_id + 1,
+                Operation.seq_id < UNLOAD_SEQ,
+            )
             .group_by(TrainingRun.id)
         ).all()
         for run, first_waiting, since in waiting:
             assert first_waiting is not None
             next_expected = run.executed_seq_id + 1
             has_next = db.scalar(
-                select(func.count()).select_from(Operation).where(
-                    Operation.target_id == run.id, Operation.seq_id == next_expected
-                )
+                select(func.count())
+                .select_from(Operation)
+                .where(Operation.target_id == run.id, Operation.seq_id == next_expected)
             )
             if not has_next and now - since >= self.gap_timeout:
-                log.warning("run %s: seq %d..%d never arrived; continuing with %d",
-                            run.id, next_expected, first_waiting - 1, first_waiting)
+                log.warning(
+                    "run %s: seq %d..%d never arrived; continuing with %d",
+                    run.id,
+                    next_expected,
+                    first_waiting - 1,
+                    first_waiting,
+                )
                 run.executed_seq_id = first_waiting - 1
 
     def _record(self, task: Task, outcome: Outcome) -> None:
@@ -274,8 +383,13 @@ class WorkerHost:
                 if outcome.apply is not None:
                     outcome.apply(db)
                 record_usage(
-                    db, self.clock, tenant_id=task.tenant_id, session_id=task.session_id,
-                    operation_id=task.id, base_model=task.base_model, lines=outcome.usage,
+                    db,
+                    self.clock,
+                    tenant_id=task.tenant_id,
+                    session_id=task.session_id,
+                    operation_id=task.id,
+                    base_model=task.base_model,
+                    lines=outcome.usage,
                 )
             if task.kind is not OpKind.SAMPLE and task.seq_id is not None:
                 run = db.get(TrainingRun, task.target_id)

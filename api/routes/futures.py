@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
+from core.settings import Mode
 from scheduler.futures import FutureState, read_future
 from scheduler.ops import PROTO
 from treadle.types import CancelFutureRequest, RetrieveFutureRequest, TryAgainResponse
@@ -71,7 +72,7 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, princip
 
 def _read(state: State, tenant_id: str, request_id: str) -> FutureState:
     with state.database.reader() as db:
-        return read_future(db, tenant_id, request_id)
+        return read_future(db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED)
 
 
 @router.post("/cancel_future")

@@ -79,7 +79,7 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
         submitted = submit(db, state.clock, tenant_id=principal.tenant_id, session_id=sampler.session_id,
                            target_id=sampler.id, seq_id=body.seq_id, kind=OpKind.SAMPLE, payload=payload,
                            payload_codec=codec)
-    state.dispatcher.wake()
+    state.dispatcher.wake(sampler.id)
     return UntypedAPIFuture(
         request_id=submitted.request_id,
         sample_sequence_ids=[f"{submitted.request_id}:{i}" for i in range(body.num_samples)],

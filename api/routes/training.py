@@ -49,7 +49,7 @@ def create_model(body: CreateModelRequest, principal: CurrentPrincipal, state: S
             db, state.clock, tenant_id=principal.tenant_id, session_id=body.session_id, target_id=run.id,
             seq_id=0, kind=OpKind.CREATE_MODEL, payload=payload, payload_codec=codec,
         )
-    state.dispatcher.wake()
+    state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
 
 
@@ -100,7 +100,7 @@ def _submit_forward_backward(state: State, principal: CurrentPrincipal, decoded:
         run = active_run(db, state, principal, decoded.model_id)
         submitted = submit_training_op(db, state.clock, run=run, seq_id=decoded.seq_id,
                                        kind=OpKind.FORWARD_BACKWARD, payload=payload, payload_codec=codec)
-    state.dispatcher.wake()
+    state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=decoded.model_id)
 
 
@@ -127,5 +127,5 @@ def submit_json_op(state: State, principal: CurrentPrincipal, model_id: str, seq
         run = active_run(db, state, principal, model_id)
         submitted = submit_training_op(db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data,
                                        payload_codec=codec)
-    state.dispatcher.wake()
+    state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=model_id)

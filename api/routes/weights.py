@@ -117,5 +117,5 @@ def load_weights(body: LoadWeightsRequest, principal: CurrentPrincipal, state: S
                                target_id=run.id, seq_id=0, kind=OpKind.LOAD_WEIGHTS, payload=data,
                                payload_codec=codec)
             run_id = run.id
-    state.dispatcher.wake()
+    state.dispatcher.wake(run_id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run_id)

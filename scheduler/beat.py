@@ -1,0 +1,94 @@
+"""Periodic jobs of distributed mode, run by `treadle-server beat` (one instance).
+
+Each job is a plain function of the database, safe to run twice or concurrently: expire silent
+sessions, declare workers with lapsed leases dead and move their work, and (re)place and wake
+whatever is queued, which also covers lost wake-up messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sqlalchemy import select, update
+
+from core import sessions
+from core.clock import Clock
+from core.db import Database
+from core.settings import Settings
+from core.tables import Operation, SamplingSession, TrainingRun, Worker
+from scheduler.placement import DEAD, LIVE, place
+from scheduler.submit import QUEUED, RUNNING
+
+log = logging.getLogger(__name__)
+
+
+def reap_dead_workers(database: Database, clock: Clock) -> list[str]:
+    """Mark workers whose lease lapsed dead, requeue what they were running, unpin their runs."""
+    now = clock.now()
+    with database.transaction() as db:
+        dead = list(
+            db.scalars(
+                select(Worker.id).where(Worker.status == LIVE, Worker.lease_expires_at <= now)
+            )
+        )
+        if not dead:
+            return []
+        db.execute(update(Worker).where(Worker.id.in_(dead)).values(status=DEAD))
+        db.execute(
+            update(Operation)
+            .where(Operation.status == RUNNING, Operation.worker_id.in_(dead))
+            .values(status=QUEUED, worker_id=None)
+        )
+        db.execute(
+            update(TrainingRun).where(TrainingRun.worker_id.in_(dead)).values(worker_id=None)
+        )
+        db.execute(
+            update(SamplingSession)
+            .where(SamplingSession.worker_id.in_(dead))
+            .values(worker_id=None)
+        )
+    log.warning("workers %s stopped renewing their leases; their work moves to live workers", dead)
+    return dead
+
+
+def place_queued(database: Database, settings: Settings, clock: Clock) -> dict[str, set[str]]:
+    """Place every target with queued ops; returns worker id → targets to wake it for."""
+    now = clock.now()
+    wake: dict[str, set[str]] = {}
+    with database.transaction() as db:
+        targets = set(
+            db.scalars(select(Operation.target_id).where(Operation.status == QUEUED).distinct())
+        )
+        for target in sorted(targets):
+            worker_id = place(db, settings, now, target)
+            if worker_id is not None:
+                wake.setdefault(worker_id, set()).add(target)
+    return wake
+
+
+def tick(database: Database, settings: Settings, clock: Clock) -> None:
+    from scheduler.celery_app import make_celery
+    from scheduler.dispatch import wake_worker
+
+    expired = sessions.expire_idle(database, clock, settings.session_ttl_seconds)
+    if expired:
+        log.info("expired %d idle sessions", len(expired))
+    reap_dead_workers(database, clock)
+    wake = place_queued(database, settings, clock)
+    if wake:
+        celery = make_celery(settings)
+        for worker_id in wake:
+            wake_worker(celery, worker_id)
+
+
+def run_beat(settings: Settings, clock: Clock, *, interval_seconds: float = 2.0) -> None:
+    database = Database(settings.resolved_database_url)
+    log.info("beat running every %.1f s", interval_seconds)
+    while True:
+        started = time.monotonic()
+        try:
+            tick(database, settings, clock)
+        except Exception:
+            log.exception("beat tick failed; retrying next interval")
+        time.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))

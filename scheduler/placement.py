@@ -1,0 +1,74 @@
+"""Placement: which live worker holds a training run or a sampling session.
+
+A target goes to a live worker (lease not expired) that serves its base model, preferring the
+one holding the fewest active runs. A nameless sampler snapshot goes where its training run is,
+when that worker is alive. Nothing here talks to workers; the dispatcher does.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session as OrmSession
+
+from core.settings import Settings
+from core.tables import SamplingSession, TrainingRun, Worker
+
+LIVE, DEAD = "live", "dead"
+_HOLDING = ("pending", "active")
+
+
+def live_workers(db: OrmSession, now: datetime) -> list[Worker]:
+    return list(
+        db.scalars(select(Worker).where(Worker.status == LIVE, Worker.lease_expires_at > now))
+    )
+
+
+def _serves(worker: Worker, model: str) -> bool:
+    return any(entry["name"] == model for entry in worker.models)
+
+
+def choose_worker(
+    db: OrmSession, settings: Settings, now: datetime, base_model: str, prefer: str | None = None
+) -> str | None:
+    served = settings.model_aliases.get(base_model, base_model)
+    candidates = [w for w in live_workers(db, now) if _serves(w, served)]
+    if not candidates:
+        return None
+    if prefer is not None and any(w.id == prefer for w in candidates):
+        return prefer
+    load = dict(
+        db.execute(
+            select(TrainingRun.worker_id, func.count())
+            .where(TrainingRun.status.in_(_HOLDING), TrainingRun.worker_id.is_not(None))
+            .group_by(TrainingRun.worker_id)
+        )
+        .tuples()
+        .all()
+    )
+    return min(candidates, key=lambda w: (load.get(w.id, 0), w.id)).id
+
+
+def place(db: OrmSession, settings: Settings, now: datetime, target_id: str) -> str | None:
+    """The worker holding `target_id`, placing it first if needed; None when none can take it."""
+    run = db.get(TrainingRun, target_id)
+    if run is not None:
+        if run.worker_id is None or not _alive(db, run.worker_id, now):
+            run.worker_id = choose_worker(db, settings, now, run.base_model)
+        return run.worker_id
+    sampler = db.get(SamplingSession, target_id)
+    if sampler is None:
+        return None
+    if sampler.worker_id is None or not _alive(db, sampler.worker_id, now):
+        prefer = None
+        if sampler.training_run_id is not None:
+            owner = db.get(TrainingRun, sampler.training_run_id)
+            prefer = owner.worker_id if owner is not None else None
+        sampler.worker_id = choose_worker(db, settings, now, sampler.base_model, prefer)
+    return sampler.worker_id
+
+
+def _alive(db: OrmSession, worker_id: str, now: datetime) -> bool:
+    worker = db.get(Worker, worker_id)
+    return worker is not None and worker.status == LIVE and worker.lease_expires_at > now

@@ -1,0 +1,103 @@
+"""A worker process: one engine on one device, consuming its own Celery queue.
+
+Besides Celery wake-ups it polls the database now and then (a lost message costs a poll, not
+an operation), renews its lease, and frees runs whose sessions ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+
+from core.clock import SystemClock
+from core.db import Database
+from core.objectstore import LocalArtifactStore
+from core.settings import Settings
+from scheduler.celery_app import make_celery, worker_queue
+from scheduler.notify import RedisNotifier
+from scheduler.tasks import install_host, register_tasks
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 1.0
+
+
+def default_worker_id(device: str) -> str:
+    return f"{socket.gethostname()}-{device.replace(':', '')}-{uuid.uuid4().hex[:6]}"
+
+
+def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None:
+    from scheduler.worker_host import WorkerHost, build_engine
+
+    clock = SystemClock()
+    database = Database(settings.resolved_database_url)
+    store = LocalArtifactStore(settings.resolved_artifact_url)
+    assert settings.redis_url is not None
+    notifier = RedisNotifier(settings.redis_url)
+    engine = build_engine(settings)
+    host = WorkerHost(
+        database,
+        clock,
+        engine,
+        store,
+        notifier,
+        worker_id=worker_id,
+        gap_timeout_seconds=settings.gap_timeout_seconds,
+        snapshot_every_steps=settings.snapshot_every_steps,
+        owned_only=True,
+        lease_seconds=settings.worker_lease_seconds,
+    )
+    host.register(models, store)
+    install_host(host)
+    stop = threading.Event()
+
+    def background() -> None:
+        ticks = 0
+        while not stop.wait(POLL_SECONDS):
+            ticks += 1
+            try:
+                renew_every = max(1, int(settings.worker_lease_seconds / 3 / POLL_SECONDS))
+                if ticks % renew_every == 0 and not host.renew_lease():
+                    # Its runs were moved elsewhere: running them here too would fork them.
+                    log.error("worker %s was declared dead (lease lost); exiting", worker_id)
+                    os._exit(3)
+                host.drain()
+                if ticks % 15 == 0:
+                    host.evict_ended()
+            except Exception:
+                log.exception("worker background loop failed; continuing")
+
+    threading.Thread(target=background, name="treadle-worker-loop", daemon=True).start()
+    app = make_celery(settings)
+    register_tasks(app)
+    log.info(
+        "worker %s serving %s on %s, queue %s",
+        worker_id,
+        models,
+        engine.device,
+        worker_queue(worker_id),
+    )
+    try:
+        app.worker_main(
+            [
+                "worker",
+                "--pool",
+                "solo",
+                "--concurrency",
+                "1",
+                "--queues",
+                worker_queue(worker_id),
+                "--hostname",
+                f"{worker_id}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel",
+                "INFO",
+            ]
+        )
+    finally:
+        stop.set()

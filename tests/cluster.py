@@ -1,0 +1,117 @@
+"""A distributed Treadle on this machine: API replicas, workers and beat as real processes,
+on a throwaway PostgreSQL database and a private Redis database number."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import redis
+
+from tests.services import free_port
+
+CLI = str(Path(sys.executable).with_name("treadle-server"))
+SECRET = "cluster-test-secret-0123456789"
+
+
+@dataclasses.dataclass
+class Cluster:
+    env: dict[str, str]
+    root: Path
+    apis: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
+    api_urls: dict[str, str] = dataclasses.field(default_factory=dict)
+    workers: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
+    beat: subprocess.Popen[bytes] | None = None
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (kept open for the process)
+        return subprocess.Popen(
+            [CLI, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def start_api(self, name: str) -> str:
+        port = free_port()
+        self.apis[name] = self._spawn(name, "api", "--port", str(port))
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/api/v1/healthz", self.root / f"{name}.log")
+        self.api_urls[name] = url
+        return url
+
+    def start_worker(self, name: str, *models: str) -> None:
+        args = ["worker", "--device", "cpu", "--worker-id", name]
+        for model in models or ("treadle/tiny-1m",):
+            args += ["--models", model]
+        self.workers[name] = self._spawn(name, *args)
+
+    def start_beat(self) -> None:
+        self.beat = self._spawn("beat", "beat")
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc in [
+            *self.apis.values(),
+            *self.workers.values(),
+            *([self.beat] if self.beat else []),
+        ]:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in [
+            *self.apis.values(),
+            *self.workers.values(),
+            *([self.beat] if self.beat else []),
+        ]:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_http(url: str, log: Path, seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+@contextlib.contextmanager
+def cluster(root: Path, postgres_url: str, redis_url: str, **settings: str) -> Iterator[Cluster]:
+    db_number = random.randint(1, 15)
+    redis_db = f"{redis_url}/{db_number}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
+    env.update(
+        TREADLE_DATABASE_URL=postgres_url,
+        TREADLE_REDIS_URL=redis_db,
+        TREADLE_SERVER_SECRET=SECRET,
+        TREADLE_ARTIFACT_URL=str(root / "artifacts"),
+        TREADLE_DATA_DIR=str(root / "data"),
+        TREADLE_TORCH_THREADS="1",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        **{f"TREADLE_{k.upper()}": v for k, v in settings.items()},
+    )
+    subprocess.run([CLI, "migrate"], env=env, check=True, capture_output=True, timeout=120)
+    group = Cluster(env=env, root=root)
+    try:
+        yield group
+    finally:
+        group.stop()
+        redis.Redis.from_url(redis_db).flushdb()
