@@ -54,7 +54,8 @@ class Task:
     sampler_version_id: str | None = None
 
 
-def build_engine(settings: Settings) -> Engine:
+def build_engine(settings: Settings, preload: list[str] | None = None) -> Engine:
+    """The engine for these settings; `preload` models are loaded now rather than on first use."""
     return Engine(
         EngineSettings(
             device=settings.device,
@@ -62,6 +63,7 @@ def build_engine(settings: Settings) -> Engine:
             num_threads=settings.torch_threads,
             max_lora_rank=settings.engine_max_lora_rank,
             aliases=dict(settings.model_aliases),
+            models=tuple(preload or ()),
         )
     )
 

@@ -37,7 +37,7 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     store = LocalArtifactStore(settings.resolved_artifact_url)
     assert settings.redis_url is not None
     notifier = RedisNotifier(settings.redis_url)
-    engine = build_engine(settings)
+    engine = build_engine(settings, preload=models)
     host = WorkerHost(
         database,
         clock,
@@ -54,23 +54,32 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     install_host(host)
     stop = threading.Event()
 
-    def background() -> None:
+    def keep_lease() -> None:
+        # Its own thread, so long engine work never lets the lease lapse.
+        while not stop.wait(settings.worker_lease_seconds / 3):
+            try:
+                alive = host.renew_lease()
+            except Exception:
+                log.exception("could not renew the lease; retrying")
+                continue
+            if not alive:
+                # Its runs were moved elsewhere: running them here too would fork them.
+                log.error("worker %s was declared dead (lease lost); exiting", worker_id)
+                os._exit(3)
+
+    def poll() -> None:
         ticks = 0
         while not stop.wait(POLL_SECONDS):
             ticks += 1
             try:
-                renew_every = max(1, int(settings.worker_lease_seconds / 3 / POLL_SECONDS))
-                if ticks % renew_every == 0 and not host.renew_lease():
-                    # Its runs were moved elsewhere: running them here too would fork them.
-                    log.error("worker %s was declared dead (lease lost); exiting", worker_id)
-                    os._exit(3)
                 host.drain()
                 if ticks % 15 == 0:
                     host.evict_ended()
             except Exception:
-                log.exception("worker background loop failed; continuing")
+                log.exception("worker poll failed; continuing")
 
-    threading.Thread(target=background, name="treadle-worker-loop", daemon=True).start()
+    threading.Thread(target=keep_lease, name="treadle-lease", daemon=True).start()
+    threading.Thread(target=poll, name="treadle-poll", daemon=True).start()
     app = make_celery(settings)
     register_tasks(app)
     log.info(
