@@ -43,6 +43,7 @@ from gpu_worker.validation import (
     CheckedDatum,
     check_adam,
     check_datums,
+    check_lora_spec,
     check_loss_config,
     check_sampling,
     check_tokens,
@@ -156,18 +157,9 @@ class Engine:
         with self._lock:
             if run_id in self._runs:
                 raise UserInputError(f"run {run_id!r} already exists; remove it or use a new id")
-            self._check_spec(lora)
+            check_lora_spec(lora, self.settings.max_lora_rank)
             m = self._model(base_model)
             self._runs[run_id] = self._new_run(run_id, m, lora)
-
-    def _check_spec(self, lora: LoraSpec) -> None:
-        if not 1 <= lora.rank <= self.settings.max_lora_rank:
-            top = self.settings.max_lora_rank
-            raise UserInputError(f"lora rank {lora.rank} is outside 1..{top}; pass rank ≤ {top}")
-        if not lora.alpha > 0:
-            raise UserInputError(f"lora alpha must be > 0, got {lora.alpha}")
-        if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
-            raise UserInputError("set at least one of train_attn, train_mlp, train_unembed")
 
     def _new_run(self, run_id: str, m: _Model, lora: LoraSpec) -> _Run:
         adapter = LoraAdapter(lora, adapter_shapes(m.wrapped, lora), self.device)
@@ -390,7 +382,7 @@ class Engine:
             folder = Path(path)
             meta = checkpoint.read_meta(folder)
             spec = checkpoint.spec_from_meta(meta)
-            self._check_spec(spec)
+            check_lora_spec(spec, self.settings.max_lora_rank)
             name = base_model or (self._runs[run_id].model.name if run_id in self._runs
                                   else meta["base_model"])
             m = self._model(name)

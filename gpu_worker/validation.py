@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_worker.losses import LOSS_CONFIG_DEFAULTS, LOSS_CONFIG_REQUIRED, LOSS_INPUTS
-from gpu_worker.protocol import LOSS_FNS, AdamParams, Datum, SamplingParams, UserInputError
+from gpu_worker.protocol import (
+    LOSS_FNS,
+    AdamParams,
+    Datum,
+    LoraSpec,
+    SamplingParams,
+    UserInputError,
+)
 
 FLOAT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 
@@ -147,3 +154,13 @@ def check_sampling(params: SamplingParams, prompt_len: int, max_context: int,
         raise UserInputError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k == 0 or params.top_k < -1:
         raise UserInputError(f"top_k must be -1 (no limit) or ≥ 1, got {params.top_k}")
+
+
+def check_lora_spec(lora: LoraSpec, max_rank: int) -> None:
+    if not 1 <= lora.rank <= max_rank:
+        raise UserInputError(f"lora rank {lora.rank} is outside 1..{max_rank}; "
+                             f"pass rank ≤ {max_rank}")
+    if not lora.alpha > 0:
+        raise UserInputError(f"lora alpha must be > 0, got {lora.alpha}")
+    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+        raise UserInputError("set at least one of train_attn, train_mlp, train_unembed")
