@@ -302,3 +302,14 @@ def test_export_and_cli(
     assert any(out.glob("adapter_model.*"))
     missing = runner.invoke(cli.app, ["download", exported.replace("peft", "nope")])
     assert missing.exit_code == 1, missing.output
+
+
+def test_readme_quickstart_runs(live_server: LiveServer) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "sdk" / "README.md").read_text()
+    quickstart = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    code = quickstart.replace("http://127.0.0.1:8000", live_server.base_url).replace(
+        '"tml-..."', repr(live_server.make_tenant().key)
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert str(namespace["path"]).endswith("/weights/step-20")
