@@ -8,20 +8,30 @@ server received the request) that must be retried without running any op twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import uvicorn
+from fastapi import FastAPI
 from rich.console import Console
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 import treadle
+from api.app import create_app
+from api.dbschema import upgrade
+from core.db import Database
 from core.tables import Operation
+from tests.conftest import make_settings, tenant_factory
 from tests.e2e.conftest import LiveServer
+from tests.services import free_port
 from treadle import cli, types
 
 pytestmark = pytest.mark.e2e
@@ -313,3 +323,60 @@ def test_readme_quickstart_runs(live_server: LiveServer) -> None:
     namespace: dict[str, object] = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert str(namespace["path"]).endswith("/weights/step-20")
+
+
+@contextlib.contextmanager
+def serving(root: Path, port: int) -> Iterator[FastAPI]:
+    """An embedded server on a fixed port, so a restarted one answers at the same address."""
+    url = f"sqlite:///{root / 'treadle.db'}"
+    app = create_app(make_settings(root, url))
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    assert app.state.treadle.dispatcher.wait_ready(120), "engine did not start"
+    try:
+        yield app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def test_server_restart_mid_loop_is_survived(tmp_path: Path) -> None:
+    """Ops in flight when the server stops run once, after it comes back; the loop goes on."""
+    root, port = tmp_path / "server", free_port()
+    root.mkdir()
+    upgrade(Database(f"sqlite:///{root / 'treadle.db'}"))
+    batch = [sft_datum(i) for i in range(2)]
+    retry = treadle.RetryPolicy(initial_backoff_seconds=0.2, max_backoff_seconds=1.0)
+    with serving(root, port) as app:
+        state = app.state.treadle
+        key = tenant_factory(state.database, state.settings)().key
+        service = treadle.ServiceClient(
+            base_url=f"http://127.0.0.1:{port}", api_key=key, retry=retry
+        )
+        trainer = service.create_lora_training_client(MODEL, rank=4, seed=3)
+        losses = [trainer.forward_backward(batch).result(timeout=120).metrics["loss:sum"]]
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)
+        # Submitted just before the server goes away; answered by the next one.
+        in_flight = [
+            trainer.forward_backward(batch),
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)),
+        ]
+    with serving(root, port) as app:
+        losses.append(in_flight[0].result(timeout=300).metrics["loss:sum"])
+        in_flight[1].result(timeout=300)
+        losses.append(trainer.forward(batch).result(timeout=300).metrics["loss:sum"])
+        service.close()
+        with app.state.treadle.database.reader() as db:
+            seqs = db.scalars(
+                select(Operation.seq_id).where(Operation.target_id == trainer.model_id)
+            ).all()
+    assert sorted(seqs) == [0, 1, 2, 3, 4, 5]
+    assert losses[2] < losses[1] < losses[0], losses
