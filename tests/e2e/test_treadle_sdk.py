@@ -110,7 +110,7 @@ def test_custom_dpo_style_loss(service: treadle.ServiceClient) -> None:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         weights = [d.loss_fn_inputs["weights"].to_torch() for d in data]
         margin = (logprobs[0] * weights[0]).sum() - (logprobs[1] * weights[1]).sum()
-        return -torch.nn.functional.logsigmoid(0.1 * margin), {"margin": float(margin)}
+        return -torch.nn.functional.logsigmoid(0.1 * margin), {"margin": margin.item()}
 
     first = trainer.forward_backward_custom([chosen, rejected], dpo_loss)
     trainer.optim_step(types.AdamParams(learning_rate=1e-2))
@@ -150,6 +150,7 @@ def test_resume_with_optimizer_and_named_sampler(service: treadle.ServiceClient)
     assert actual == pytest.approx(expected, rel=1e-5)
 
     sampler = service.create_sampling_client(model_path=sampler_path)
+    assert trainer.create_sampling_client(sampler_path).base_model == MODEL
     params = types.SamplingParams(max_tokens=5, seed=11)
     prompt = types.ModelInput.from_ints([20, 21, 22])
     first = sampler.sample(prompt, 2, params).result()

@@ -20,9 +20,13 @@ import httpx
 
 from treadle._connection import Connection, shared_connection
 from treadle._polling import retrieve, submit
+from treadle._session import Session
 from treadle.futures import APIFuture
 from treadle.tokenizer import load_tokenizer
 from treadle.types import (
+    TINKER_SCHEME,
+    CreateSamplingSessionResponse,
+    GetSamplerResponse,
     ModelInput,
     SampleRequest,
     SampleResponse,
@@ -185,6 +189,40 @@ class SamplingClient:
         for sequence, sequence_id in zip(response.sequences, ids, strict=False):
             sequence.sequence_id = sequence_id
         return response
+
+
+async def open_sampling_client(
+    session: Session, base_model: str | None, model_path: str | None
+) -> SamplingClient:
+    """Open a sampling session on a base model or a `tinker://` sampler checkpoint.
+
+    Raises:
+        ValueError: neither or both of base_model and model_path, or a path not `tinker://`.
+        NotFoundError: the checkpoint does not exist (or is not yours).
+    """
+    if (base_model is None) == (model_path is None):
+        raise ValueError(
+            "pass exactly one of base_model (sample the base model) or model_path "
+            "(a tinker:// sampler checkpoint)"
+        )
+    if model_path is not None and not model_path.startswith(TINKER_SCHEME):
+        raise ValueError(f"model_path {model_path!r} must start with {TINKER_SCHEME}")
+    http = session.connection.http
+    body: dict[str, Any] = {
+        "session_id": await session.ensure(),
+        "sampling_session_seq_id": session.next_sampling_seq_id(),
+        "type": "create_sampling_session",
+    }
+    if base_model is not None:
+        body["base_model"] = base_model
+    if model_path is not None:
+        body["model_path"] = model_path
+    response = await http.request("POST", "/api/v1/create_sampling_session", json=body)
+    sampler_id = CreateSamplingSessionResponse.model_validate(response.json()).sampling_session_id
+    if base_model is None:
+        described = await http.request("GET", f"/api/v1/samplers/{sampler_id}")
+        base_model = GetSamplerResponse.model_validate(described.json()).base_model
+    return SamplingClient(session.connection, sampler_id, base_model, model_path=model_path)
 
 
 def _decode_sample(response: httpx.Response) -> SampleResponse:

@@ -23,15 +23,12 @@ from treadle._http import DEFAULT_TIMEOUT_SECONDS, RetryPolicy
 from treadle._polling import retrieve, submit
 from treadle._session import FinishStatus, Session
 from treadle.client.rest import RestClient
-from treadle.client.sampling import SamplingClient
+from treadle.client.sampling import SamplingClient, open_sampling_client
 from treadle.client.training import TrainingClient
 from treadle.types import (
-    TINKER_SCHEME,
     CreateModelRequest,
     CreateModelResponse,
-    CreateSamplingSessionResponse,
     GetInfoResponse,
-    GetSamplerResponse,
     LoadWeightsRequest,
     LoadWeightsResponse,
     LoraConfig,
@@ -235,13 +232,13 @@ class ServiceClient:
             ValueError: neither or both of base_model and model_path were given.
             NotFoundError: the checkpoint does not exist (or is not yours).
         """
-        return self._conn.run(self._create_sampler(base_model, model_path))
+        return self._conn.run(open_sampling_client(self._session, base_model, model_path))
 
     async def create_sampling_client_async(
         self, base_model: str | None = None, model_path: str | None = None
     ) -> SamplingClient:
         """`create_sampling_client` for asyncio code."""
-        return await self._conn.call(self._create_sampler(base_model, model_path))
+        return await self._conn.call(open_sampling_client(self._session, base_model, model_path))
 
     def create_rest_client(self) -> RestClient:
         """A RestClient on this client's connection (runs, checkpoints, downloads)."""
@@ -312,40 +309,6 @@ class ServiceClient:
             max_chunk_bytes=max_bytes,
             compress=bool(config.proto_compress_fwdbwd),
         )
-
-    async def _create_sampler(
-        self, base_model: str | None, model_path: str | None
-    ) -> SamplingClient:
-        if (base_model is None) == (model_path is None):
-            raise ValueError(
-                "pass exactly one of base_model (sample the base model) or model_path "
-                "(a tinker:// sampler checkpoint)"
-            )
-        if model_path is not None and not model_path.startswith(TINKER_SCHEME):
-            raise ValueError(f"model_path {model_path!r} must start with {TINKER_SCHEME}")
-        session_id = await self._session.ensure()
-        body: dict[str, Any] = {
-            "session_id": session_id,
-            "sampling_session_seq_id": self._session.next_sampling_seq_id(),
-            "type": "create_sampling_session",
-        }
-        body.update(
-            {
-                k: v
-                for k, v in (("base_model", base_model), ("model_path", model_path))
-                if v is not None
-            }
-        )
-        response = await self._conn.http.request(
-            "POST", "/api/v1/create_sampling_session", json=body
-        )
-        sampler_id = CreateSamplingSessionResponse.model_validate(
-            response.json()
-        ).sampling_session_id
-        if base_model is None:
-            described = await self._conn.http.request("GET", f"/api/v1/samplers/{sampler_id}")
-            base_model = GetSamplerResponse.model_validate(described.json()).base_model
-        return SamplingClient(self._conn, sampler_id, base_model, model_path=model_path)
 
 
 def resolve_credentials(base_url: str | None, api_key: str | None) -> tuple[str, str]:

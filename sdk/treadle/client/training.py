@@ -21,7 +21,7 @@ from treadle._session import Session
 from treadle.client._chunks import split_batch
 from treadle.client._custom_loss import CustomLossFn, forward_data
 from treadle.client._run_ops import RunOps
-from treadle.client.sampling import SamplingClient
+from treadle.client.sampling import SamplingClient, open_sampling_client
 from treadle.futures import APIFuture
 from treadle.tokenizer import load_tokenizer
 from treadle.types import (
@@ -241,6 +241,18 @@ class TrainingClient:
             "SaveWeightsForSampler",
         )
         return saved.map(self._sampling_client_for)
+
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
+        """A SamplingClient on a sampler checkpoint (e.g. from `save_weights_for_sampler`).
+
+        Raises:
+            NotFoundError: the checkpoint does not exist (or is not yours).
+        """
+        return self._conn.run(open_sampling_client(self._session, None, model_path))
+
+    async def create_sampling_client_async(self, model_path: str) -> SamplingClient:
+        """`create_sampling_client` for asyncio code."""
+        return await self._conn.call(open_sampling_client(self._session, None, model_path))
 
     def export(
         self, name: str, *, ttl_seconds: int | None = None
