@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +25,9 @@ logger = logging.getLogger("treadle")
 
 HEARTBEAT_INTERVAL_SECONDS = 10.0
 _HEARTBEAT_WARN_AFTER_SECONDS = 120.0
+
+_FINISH_MAX_SECONDS = 30.0
+"""Closing should not hang for minutes on a server that is gone: its TTL ends the session."""
 
 FinishStatus = Literal["success", "errored", "interrupted"]
 
@@ -161,4 +165,10 @@ class Session:
             "POST",
             f"/api/v1/sessions/{self._session_id}/finish",
             json={"reason": {"type": status}, "detail": detail},
+            retry=dataclasses.replace(
+                self.connection.retry,
+                max_elapsed_seconds=min(
+                    _FINISH_MAX_SECONDS, self.connection.retry.max_elapsed_seconds
+                ),
+            ),
         )

@@ -187,3 +187,13 @@ def test_session_heartbeats_and_finish(server: FakeServer) -> None:
     service.close()
     assert server.heartbeats >= 2 and server.finished == ["s1"]
     service.close()  # idempotent
+
+
+def test_close_survives_an_unreachable_server(
+    server: FakeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = client_for(server)
+    service.create_lora_training_client("tiny", rank=4)
+    server.faults["/sessions/s1/finish"] = ["connect"] * 1000
+    service.close()
+    assert "could not finish session s1" in caplog.text

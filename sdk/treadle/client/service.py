@@ -11,6 +11,7 @@ The session is created on first need and kept alive by background heartbeats; le
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from types import TracebackType
@@ -25,6 +26,7 @@ from treadle._session import FinishStatus, Session
 from treadle.client.rest import RestClient
 from treadle.client.sampling import SamplingClient, open_sampling_client
 from treadle.client.training import TrainingClient
+from treadle.errors import AuthenticationError, TreadleError
 from treadle.types import (
     CreateModelRequest,
     CreateModelResponse,
@@ -36,6 +38,7 @@ from treadle.types import (
 )
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+logger = logging.getLogger("treadle")
 
 
 class ServiceClient:
@@ -110,12 +113,15 @@ class ServiceClient:
     def close(self, status: FinishStatus = "success", detail: str | None = None) -> None:
         """Finish the session on the server and release this client's resources.
 
-        Clients created from this one stop working. Idempotent.
+        Clients created from this one stop working. Idempotent. When the server cannot be
+        reached, a warning is logged and the session ends on its own once its heartbeats stop.
         """
         if self._conn.closed:
             return
         try:
             self._conn.run(self._session.finish(status, detail), timeout=60)
+        except (TreadleError, TimeoutError) as exc:
+            logger.warning("could not finish session %s: %s", self._session.session_id, exc)
         finally:
             self._conn.close()
 
@@ -317,8 +323,6 @@ def resolve_credentials(base_url: str | None, api_key: str | None) -> tuple[str,
     Raises:
         AuthenticationError: no API key anywhere.
     """
-    from treadle.errors import AuthenticationError
-
     url = base_url or os.environ.get("TREADLE_BASE_URL") or DEFAULT_BASE_URL
     key = api_key or os.environ.get("TREADLE_API_KEY")
     if not key:

@@ -138,15 +138,23 @@ class TrainingClient:
         first = self._ops.reserve(2 * len(chunks))
         return self._ops.spawn(self._ops.run_custom(first, chunks, bodies, list(data), loss_fn))
 
-    async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_async(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float | str] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
         """`forward` for asyncio code: `out = await (await client.forward_async(...))`."""
-        return self.forward(*args, **kwargs)
+        return self.forward(data, loss_fn, loss_fn_config)
 
     async def forward_backward_async(
-        self, *args: Any, **kwargs: Any
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float | str] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """`forward_backward` for asyncio code; returns the future."""
-        return self.forward_backward(*args, **kwargs)
+        return self.forward_backward(data, loss_fn, loss_fn_config)
 
     async def forward_backward_custom_async(
         self, data: Sequence[Datum], loss_fn: CustomLossFn
@@ -278,9 +286,18 @@ class TrainingClient:
         """`optim_step` for asyncio code; returns the future."""
         return self.optim_step(adam_params)
 
-    async def save_state_async(self, name: str, **kwargs: Any) -> APIFuture[SaveWeightsResponse]:
+    async def save_state_async(
+        self,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
+        user_metadata: dict[str, str] | None = None,
+    ) -> APIFuture[SaveWeightsResponse]:
         """`save_state` for asyncio code; returns the future."""
-        return self.save_state(name, **kwargs)
+        return self.save_state(
+            name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata
+        )
 
     async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """`load_state` for asyncio code; returns the future."""
@@ -291,20 +308,26 @@ class TrainingClient:
         return self.load_state_with_optimizer(path)
 
     async def save_weights_for_sampler_async(
-        self, name: str, **kwargs: Any
+        self,
+        name: str,
+        *,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """`save_weights_for_sampler` for asyncio code; returns the future."""
-        return self.save_weights_for_sampler(name, **kwargs)
+        return self.save_weights_for_sampler(
+            name, ttl_seconds=ttl_seconds, user_metadata=user_metadata
+        )
 
     async def save_weights_and_get_sampling_client_async(self) -> SamplingClient:
         """`save_weights_and_get_sampling_client`, awaited: returns the SamplingClient."""
         return await self.save_weights_and_get_sampling_client()
 
     async def export_async(
-        self, name: str, **kwargs: Any
+        self, name: str, *, ttl_seconds: int | None = None
     ) -> APIFuture[SaveWeightsExternalResponse]:
         """`export` for asyncio code; returns the future."""
-        return self.export(name, **kwargs)
+        return self.export(name, ttl_seconds=ttl_seconds)
 
     # -- information ------------------------------------------------------------------------
 
