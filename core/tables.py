@@ -249,6 +249,9 @@ class Worker(Base):
     capacity_runs: Mapped[int] = mapped_column(Integer)
     capacity_tokens: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16))  # live | draining | dead
+    # What the engine holds, reported with each lease renewal.
+    held_runs: Mapped[int] = mapped_column(Integer, default=0)
+    adapter_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     lease_expires_at: Mapped[datetime]
     registered_at: Mapped[datetime]
 

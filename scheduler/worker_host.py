@@ -153,12 +153,21 @@ class WorkerHost:
             )
 
     def renew_lease(self) -> bool:
-        """Extend this worker's lease; False when it was declared dead meanwhile (then stop)."""
+        """Extend this worker's lease and report what it holds; False when it was declared
+        dead meanwhile (then it must stop)."""
+        held = self.engine.run_ids()
+        held_bytes = 0
+        for run_id in held:
+            try:
+                held_bytes += self.engine.run_memory_bytes(run_id)
+            except Exception:  # removed meanwhile
+                continue
         with self.database.transaction() as db:
             worker = db.get(Worker, self.worker_id)
             if worker is None or worker.status != "live":
                 return False
             worker.lease_expires_at = self.clock.now() + self.lease
+            worker.held_runs, worker.adapter_bytes = len(held), held_bytes
             return True
 
     def drain(self) -> int:

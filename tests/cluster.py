@@ -115,3 +115,71 @@ def cluster(root: Path, postgres_url: str, redis_url: str, **settings: str) -> I
     finally:
         group.stop()
         redis.Redis.from_url(redis_db).flushdb()
+
+
+class FailoverProxy:
+    """A TCP load balancer for the API tier: each new connection goes to the next backend in
+    rotation that accepts it, so clients keep working when a replica dies."""
+
+    def __init__(self, backends: list[str]) -> None:
+        import asyncio
+        import threading
+
+        self.backends = [
+            (u.split("//")[1].split(":")[0], int(u.rsplit(":", 1)[1])) for u in backends
+        ]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._next = 0
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            server = self._loop.run_until_complete(
+                asyncio.start_server(self._handle, "127.0.0.1", self.port)
+            )
+            started.set()
+            self._loop.run_forever()
+            server.close()
+
+        threading.Thread(target=run, name="failover-proxy", daemon=True).start()
+        started.wait(10)
+
+    async def _handle(self, reader: object, writer: object) -> None:
+        import asyncio
+
+        assert isinstance(reader, asyncio.StreamReader) and isinstance(writer, asyncio.StreamWriter)
+        for _ in range(len(self.backends)):
+            host, port = self.backends[self._next % len(self.backends)]
+            self._next += 1
+            try:
+                up_reader, up_writer = await asyncio.open_connection(host, port)
+                break
+            except OSError:
+                continue
+        else:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            with contextlib.suppress(Exception):
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def close(self) -> None:
+        import asyncio
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks(self._loop) if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._loop.stop()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop)

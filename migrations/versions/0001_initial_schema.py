@@ -55,6 +55,8 @@ def upgrade() -> None:
         sa.Column("capacity_runs", sa.Integer(), nullable=False),
         sa.Column("capacity_tokens", sa.BigInteger(), nullable=False),
         sa.Column("status", sa.String(length=16), nullable=False),
+        sa.Column("held_runs", sa.Integer(), nullable=False),
+        sa.Column("adapter_bytes", sa.BigInteger(), nullable=False),
         sa.Column("lease_expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_workers")),

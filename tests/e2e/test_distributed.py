@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import tinker
 from sqlalchemy import func, select
@@ -16,8 +17,8 @@ from tinker import types
 from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
-from core.tables import Operation, TrainingRun
-from tests.cluster import SECRET, Cluster, cluster
+from core.tables import Operation, Session, TrainingRun, Worker
+from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
 from tests.conftest import TenantFactory, tenant_factory
 from tests.e2e.conftest import start_server
 from tests.e2e.test_tinker_training import MODEL, sft_datum
@@ -38,7 +39,12 @@ def running(
     with (
         throwaway_database(postgres_admin_url) as db_url,
         cluster(
-            root, db_url, redis_url, worker_lease_seconds="10", snapshot_every_steps="3"
+            root,
+            db_url,
+            redis_url,
+            worker_lease_seconds="10",
+            snapshot_every_steps="3",
+            session_ttl_seconds="30",
         ) as group,
     ):
         group.start_worker("w1")
@@ -158,3 +164,91 @@ def test_killed_worker_costs_latency_not_errors(
         f"\nkill-to-resumed (worker killed after step 3 until step 4 completed on {new_holder}): "
         f"{timings['resumed'] - timings['killed']:.1f} s"
     )
+
+
+def test_killed_api_replica_costs_retries_not_results(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    """Clients behind a load balancer long-poll through a replica that dies; every future resolves."""
+    group, _, make_tenant = running
+    victim = group.start_api("a3")
+    proxy = FailoverProxy([victim, group.api_urls["a2"]])
+    try:
+        client = tinker.ServiceClient(base_url=proxy.url, api_key=make_tenant().key)
+        trainer = client.create_lora_training_client(base_model=MODEL, rank=4, seed=11).result()
+        futures = []
+        for step in range(6):
+            futures.append(trainer.forward_backward(BATCH, "cross_entropy"))
+            futures.append(trainer.optim_step(ADAM))
+            if step == 2:
+                group.kill(group.apis["a3"])
+        results = [future.result(timeout=300) for future in futures]
+        assert len(results) == 12
+        client.close("success").result(timeout=60)
+    finally:
+        proxy.close()
+
+
+def test_beat_expires_silent_sessions_and_workers_free_their_memory(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    group, database, make_tenant = running
+    tenant = make_tenant(max_concurrent_sessions=1)
+    headers = {"X-API-Key": tenant.key}
+    api = group.api_urls["a1"]
+    with httpx.Client(base_url=f"{api}/api/v1", headers=headers, timeout=60) as http:
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        created = http.post(
+            "/create_model",
+            json={
+                "session_id": session_id,
+                "model_seq_id": 0,
+                "base_model": MODEL,
+                "lora_config": {"rank": 8},
+            },
+        ).json()
+        while (
+            http.post("/retrieve_future", json={"request_id": created["request_id"]})
+            .json()
+            .get("type")
+            == "try_again"
+        ):
+            pass
+        run_id = created["model_id"]
+        with database.reader() as db:
+            holder = db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == run_id))
+        # Once the runs of earlier (closed) sessions are evicted, only this run is held.
+        held_before = _wait_for(database, holder, lambda w: w.held_runs == 1, seconds=120)
+        assert held_before.adapter_bytes > 0
+        assert http.post("/create_session", json={}).status_code == 403  # the slot is taken
+        # No heartbeats: beat expires the session after the TTL, then the worker frees the run.
+        deadline = time.monotonic() + 120
+        while _session_status(database, session_id) != "expired":
+            assert time.monotonic() < deadline, "beat did not expire the silent session"
+            time.sleep(0.5)
+        held_after = _wait_for(database, holder, lambda w: w.held_runs == 0, seconds=120)
+        assert held_after.adapter_bytes == 0
+        assert http.post("/session_heartbeat", json={"session_id": session_id}).status_code == 410
+        assert http.post("/create_session", json={}).status_code == 200  # the slot is free again
+    print(
+        f"\nworker {holder} held {held_before.adapter_bytes} adapter bytes for the run; "
+        f"{held_after.adapter_bytes} after its session expired"
+    )
+
+
+def _session_status(database: Database, session_id: str) -> str | None:
+    with database.reader() as db:
+        return db.scalar(select(Session.status).where(Session.id == session_id))
+
+
+def _wait_for(
+    database: Database, worker_id: str | None, predicate: object, seconds: float = 60
+) -> Worker:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with database.reader() as db:
+            worker = db.get(Worker, worker_id)
+            if worker is not None and callable(predicate) and predicate(worker):
+                return worker
+        time.sleep(0.5)
+    raise AssertionError(f"worker {worker_id} never reached the expected state")
