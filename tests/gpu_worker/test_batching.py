@@ -101,3 +101,27 @@ def test_memory_is_base_plus_adapters(engine):
         assert engine.run_memory_bytes("mem") == adapter.num_bytes()
     finally:
         engine.remove_run("mem")
+
+
+def test_a_failing_batched_pass_is_retried_op_by_op(engine, monkeypatch):
+    import gpu_worker.engine as engine_module
+
+    ids = make_runs(engine, "retry")
+    real = engine_module.run_ops
+
+    def flaky(model, ctx, ops, **kw):
+        if len(ops) > 1:
+            raise RuntimeError("simulated device failure")
+        if ops[0].adapter is engine._runs[ids[2]].adapter:
+            raise RuntimeError("this run's pass fails alone too")
+        return real(model, ctx, ops, **kw)
+
+    monkeypatch.setattr(engine_module, "run_ops", flaky)
+    try:
+        results = engine.forward_backward_batch(make_ops(ids))
+        assert isinstance(results[2], OpError) and results[2].category == "server"
+        assert all(not isinstance(results[i], OpError) for i in (0, 1, 3))
+        assert all(p.grad is None for p in engine._runs[ids[2]].adapter.parameters())
+    finally:
+        for rid in ids:
+            engine.remove_run(rid)
