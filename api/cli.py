@@ -127,7 +127,9 @@ def api(
 
 @app.command()
 def worker(
-    device: Annotated[str, typer.Option(help="cuda:N or cpu.")] = "auto",
+    device: Annotated[
+        str | None, typer.Option(help="cuda:N or cpu (default: TREADLE_DEVICE, else auto).")
+    ] = None,
     models: Annotated[
         list[str] | None, typer.Option("--models", help="Base models to serve (repeat).")
     ] = None,
@@ -140,7 +142,8 @@ def worker(
     from scheduler.worker_process import default_worker_id, run_worker
 
     settings = _distributed_settings("worker")
-    settings.device = device
+    if device is not None:
+        settings.device = device
     _logging()
     try:
         settings.secret_bytes()
@@ -148,7 +151,9 @@ def worker(
     except TreadleError as exc:
         raise _fail(exc.message) from exc
     run_worker(
-        settings, worker_id=worker_id or default_worker_id(device), models=models or settings.models
+        settings,
+        worker_id=worker_id or default_worker_id(settings.device),
+        models=models or settings.models,
     )
 
 

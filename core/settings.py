@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     models: list[str] = Field(default_factory=lambda: list(DEFAULT_MODELS))
     # Extra names clients may use for a served model, e.g. {"Qwen/Qwen3-8B": "treadle/tiny-1m"}.
     model_aliases: dict[str, str] = Field(default_factory=dict)
+    # Hugging Face model folders on the workers' disks, by the name they are served under,
+    # e.g. {"Qwen/Qwen3-8B": "/models/Qwen3-8B"}; list those names in `models` too.
+    model_folders: dict[str, str] = Field(default_factory=dict)
     default_max_concurrent_sessions: int = 4
     default_max_lora_rank: int = 64
 
@@ -74,7 +77,6 @@ class Settings(BaseSettings):
     # Save each run's full state every this many optimizer steps; recovery replays the rest.
     snapshot_every_steps: int = 10
     max_queued_samples: int = 2048
-    engine_start_timeout_seconds: float = 120.0
 
     @property
     def offered_models(self) -> list[str]:

@@ -27,6 +27,7 @@ from core.errors import TreadleError
 from core.objectstore import ArtifactStore
 from core.settings import Settings
 from core.tables import Operation, SamplingSession, Session, TrainingRun, Worker
+from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
 from scheduler.execute import Executor, Outcome
 from scheduler.models import tokenizer_key
@@ -64,6 +65,9 @@ def build_engine(settings: Settings, preload: list[str] | None = None) -> Engine
             max_lora_rank=settings.engine_max_lora_rank,
             aliases=dict(settings.model_aliases),
             models=tuple(preload or ()),
+            catalog_entries=tuple(
+                Catalog.hf_folder(name, path) for name, path in settings.model_folders.items()
+            ),
         )
     )
 
