@@ -29,20 +29,6 @@ def _import_tokenizers() -> Any:
     return tokenizers
 
 
-async def fetch_tokenizer_files(http: HttpClient, base_model: str) -> dict[str, bytes]:
-    """Every tokenizer file the server publishes for `base_model`, by name.
-
-    Raises:
-        NotFoundError: the model is not served, or its tokenizer is not published yet.
-    """
-    listing = (await http.request("GET", f"/api/v1/models/{base_model}/tokenizer")).json()
-    files: dict[str, bytes] = {}
-    for name in listing.get("files", []):
-        response = await http.request("GET", f"/api/v1/models/{base_model}/tokenizer/{name}")
-        files[name] = response.content
-    return files
-
-
 async def load_tokenizer(http: HttpClient, base_model: str) -> Any:
     """A `tokenizers.Tokenizer` for `base_model`, downloaded once per process.
 
