@@ -53,8 +53,14 @@ DbSession = Annotated[OrmSession, Depends(get_db_session)]
 
 def get_principal(request: Request, state: State) -> Principal:
     raw = request.headers.get("x-api-key")
-    with state.database.transaction() as db:
-        return apikeys.authenticate(db, state.clock, state.server_secret, raw)
+    # A read, so authentication never waits for the database's write lock; the last-used time
+    # is written at most once a minute per key.
+    with state.database.reader() as db:
+        principal = apikeys.authenticate(db, state.clock, state.server_secret, raw)
+    if principal.stale_last_used:
+        with state.database.transaction() as db:
+            apikeys.touch(db, state.clock, principal.key_id)
+    return principal
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]

@@ -36,6 +36,8 @@ class Principal:
     tenant_id: str
     key_id: str
     scope: str
+    # True when the key's last-used time is older than its resolution: call `touch` to record use.
+    stale_last_used: bool = False
 
     @property
     def is_admin(self) -> bool:
@@ -93,9 +95,15 @@ def authenticate(
     if tenant is None or tenant.disabled:
         raise PermissionDenied("this tenant is disabled; contact the operator")
     now = clock.now()
-    if row.last_used_at is None or now - row.last_used_at >= _LAST_USED_RESOLUTION:
-        row.last_used_at = now
-    return Principal(tenant_id=row.tenant_id, key_id=row.id, scope=row.scope)
+    stale = row.last_used_at is None or now - row.last_used_at >= _LAST_USED_RESOLUTION
+    return Principal(tenant_id=row.tenant_id, key_id=row.id, scope=row.scope, stale_last_used=stale)
+
+
+def touch(db: OrmSession, clock: Clock, key_id: str) -> None:
+    """Record that a key was used (authentication itself only reads)."""
+    row = db.get(ApiKey, key_id)
+    if row is not None:
+        row.last_used_at = clock.now()
 
 
 def revoke_api_key(db: OrmSession, clock: Clock, key_id: str) -> ApiKey:
