@@ -24,6 +24,7 @@ from core.tables import ModelVersion, TrainingRun
 from gpu_worker import protocol as ep
 from scheduler import convert
 from scheduler.ops import JSON, PROTO, OpKind, decode_json_payload, decode_payload
+from scheduler.task import Task
 from treadle.types import (
     CreateModelResponse,
     LoadWeightsResponse,
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from gpu_worker.engine import Engine
-    from scheduler.worker_host import Task
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,12 @@ from sqlalchemy import select
 from core.db import Database
 from core.objectstore import ArtifactStore
 from core.tables import Operation, TrainingRun
-from scheduler.ops import OpKind
 from scheduler.submit import DONE
+from scheduler.task import Task
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
     from scheduler.execute import Executor
-    from scheduler.worker_host import Task
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +32,7 @@ class RestoreImpossible(Exception):
 
 
 def restore_run(
-    engine: Engine,
-    store: ArtifactStore,
-    database: Database,
-    executor: Executor,
-    run_id: str,
-    task_factory: type[Task],
+    engine: Engine, store: ArtifactStore, database: Database, executor: Executor, run_id: str
 ) -> int:
     """Load the run's latest snapshot and replay what ran after it; returns ops replayed."""
     with database.reader() as db:
@@ -57,20 +51,7 @@ def restore_run(
             )
             .order_by(Operation.seq_id)
         ).all()
-        tasks = [
-            task_factory(
-                id=op.id,
-                kind=OpKind(op.kind),
-                tenant_id=op.tenant_id,
-                session_id=op.session_id,
-                target_id=op.target_id,
-                seq_id=op.seq_id,
-                payload=op.payload,
-                payload_codec=op.payload_codec,
-                base_model=run.base_model,
-            )
-            for op in ops
-        ]
+        tasks = [Task.of(op, run.base_model) for op in ops]
     if snapshot_uri is not None:
         try:
             engine.load_state(run_id, store.open_dir(snapshot_uri), include_optimizer=True)

@@ -8,7 +8,6 @@ result with its usage in one transaction. Waiters are then woken through the not
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import socket
@@ -35,24 +34,9 @@ from scheduler.notify import Notifier
 from scheduler.ops import OpKind
 from scheduler.recovery import RestoreImpossible, restore_run
 from scheduler.submit import DONE, FAILED, QUEUED, RUNNING, UNLOAD_SEQ
+from scheduler.task import Task
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    """A claimed operation, detached from the database session that claimed it."""
-
-    id: str
-    kind: OpKind
-    tenant_id: str
-    session_id: str
-    target_id: str
-    seq_id: int | None
-    payload: bytes
-    payload_codec: str
-    base_model: str
-    sampler_version_id: str | None = None
 
 
 def build_engine(settings: Settings, preload: list[str] | None = None) -> Engine:
@@ -252,7 +236,7 @@ class WorkerHost:
         if task.seq_id == 0 or task.target_id in self.engine.run_ids():
             return None
         try:
-            restore_run(self.engine, self.store, self.database, self.executor, task.target_id, Task)
+            restore_run(self.engine, self.store, self.database, self.executor, task.target_id)
         except RestoreImpossible as exc:
             return Outcome.failed("server", str(exc))
         except Exception as exc:
@@ -330,20 +314,7 @@ class WorkerHost:
                     op.attempts + 1,
                     self.worker_id,
                 )
-                tasks.append(
-                    Task(
-                        id=op.id,
-                        kind=OpKind(op.kind),
-                        tenant_id=op.tenant_id,
-                        session_id=op.session_id,
-                        target_id=op.target_id,
-                        seq_id=op.seq_id,
-                        payload=op.payload,
-                        payload_codec=op.payload_codec,
-                        base_model=base_model,
-                        sampler_version_id=version_id,
-                    )
-                )
+                tasks.append(Task.of(op, base_model, version_id))
             return tasks
 
     def _release_gaps(self, db: OrmSession, now: Any) -> None:

@@ -1,0 +1,37 @@
+"""A claimed operation, as the executor and recovery see it (no database session attached)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from core.tables import Operation
+from scheduler.ops import OpKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    id: str
+    kind: OpKind
+    tenant_id: str
+    session_id: str
+    target_id: str
+    seq_id: int | None
+    payload: bytes
+    payload_codec: str
+    base_model: str
+    sampler_version_id: str | None = None
+
+    @classmethod
+    def of(cls, op: Operation, base_model: str, sampler_version_id: str | None = None) -> Task:
+        return cls(
+            id=op.id,
+            kind=OpKind(op.kind),
+            tenant_id=op.tenant_id,
+            session_id=op.session_id,
+            target_id=op.target_id,
+            seq_id=op.seq_id,
+            payload=op.payload,
+            payload_codec=op.payload_codec,
+            base_model=base_model,
+            sampler_version_id=sampler_version_id,
+        )
