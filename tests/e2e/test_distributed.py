@@ -4,6 +4,7 @@ middle of a loop costs the client latency, not errors."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +115,53 @@ def test_results_equal_embedded_mode(
     second = scenario(group.api_urls["a2"], key, 3)
     assert first == pytest.approx(embedded_losses[3], rel=1e-5)
     assert second == pytest.approx(embedded_losses[3], rel=1e-5)
+
+
+def test_many_runs_on_two_workers_keep_order_and_run_each_op_once(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    group, database, make_tenant = running
+    tenant = make_tenant(max_concurrent_sessions=10)
+
+    def drive(index: int) -> str:
+        api = group.api_urls["a1" if index % 2 else "a2"]
+        client = tinker.ServiceClient(base_url=api, api_key=tenant.key)
+        trainer = client.create_lora_training_client(base_model=MODEL, rank=2, seed=index).result()
+        futures = []
+        for _ in range(4):
+            futures.append(trainer.forward_backward(BATCH[:1], "cross_entropy"))
+            futures.append(trainer.optim_step(ADAM))
+        for future in futures:
+            future.result(timeout=300)
+        client.close("success").result(timeout=60)
+        return trainer.model_id
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        run_ids = list(pool.map(drive, range(6)))
+    with database.reader() as db:
+        holders = set(db.scalars(select(TrainingRun.worker_id).where(TrainingRun.id.in_(run_ids))))
+        ops = db.execute(
+            select(
+                Operation.target_id,
+                Operation.seq_id,
+                Operation.attempts,
+                Operation.started_at,
+                Operation.finished_at,
+            ).where(Operation.target_id.in_(run_ids))
+        ).all()
+    assert holders == {"w1", "w2"}  # placement spread the runs over both workers
+    assert len(ops) == 6 * 9
+    assert all(attempts == 1 for _, _, attempts, _, _ in ops)  # no op executed twice
+    for run_id in run_ids:
+        mine = sorted(
+            (seq, started, finished)
+            for target, seq, _, started, finished in ops
+            if target == run_id
+        )
+        for (_, _, finished), (_, started, _) in itertools.pairwise(mine):
+            assert finished <= started  # each op started only after the previous one finished
 
 
 def test_killed_worker_costs_latency_not_errors(
