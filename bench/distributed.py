@@ -99,6 +99,7 @@ def main() -> None:
     from tests import services
     from tests.cluster import SECRET, cluster
     from tests.conftest import tenant_factory
+    from tests.services import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="treadle/tiny-10m")
@@ -111,7 +112,7 @@ def main() -> None:
     rows = _rows(args.batch, args.seq)
     result: dict[str, object] = {"benchmark": "distributed", "model": args.model, "batch": f"{args.batch}x{args.seq}"}
 
-    with embedded_server(8973, threads=1, models=[args.model, "treadle/tiny-1m"]) as (url, key):
+    with embedded_server(free_port(), threads=1, models=[args.model, "treadle/tiny-1m"]) as (url, key):
         embedded_tps = sft_tps(url, key, args.model, rows, args.steps)
     with services.postgres_server() as pg, services.throwaway_database(pg) as db_url, \
             services.redis_server() as redis_url, \

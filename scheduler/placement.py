@@ -38,15 +38,12 @@ def choose_worker(
         return None
     if prefer is not None and any(w.id == prefer for w in candidates):
         return prefer
-    load = dict(
-        db.execute(
-            select(TrainingRun.worker_id, func.count())
-            .where(TrainingRun.status.in_(_HOLDING), TrainingRun.worker_id.is_not(None))
-            .group_by(TrainingRun.worker_id)
-        )
-        .tuples()
-        .all()
-    )
+    rows = db.execute(
+        select(TrainingRun.worker_id, func.count())
+        .where(TrainingRun.status.in_(_HOLDING), TrainingRun.worker_id.is_not(None))
+        .group_by(TrainingRun.worker_id)
+    ).all()
+    load = {worker_id: count for worker_id, count in rows}
     return min(candidates, key=lambda w: (load.get(w.id, 0), w.id)).id
 
 

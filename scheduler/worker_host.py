@@ -12,6 +12,7 @@ import logging
 import shutil
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -101,6 +102,7 @@ class WorkerHost:
         self.owned_only = owned_only
         self.lease = timedelta(seconds=lease_seconds)
         self._lock = threading.Lock()
+        self._gaps_checked_at = 0.0
         self.executor = Executor(engine, store, database, clock)
 
     # --- start-up -------------------------------------------------------------------------
@@ -273,7 +275,10 @@ class WorkerHost:
     def _claim(self) -> list[Task]:
         now = self.clock.now()
         with self.database.transaction() as db:
-            self._release_gaps(db, now)
+            # Gaps are given up after minutes: looking for them once a second is plenty.
+            if time.monotonic() - self._gaps_checked_at >= 1.0:
+                self._gaps_checked_at = time.monotonic()
+                self._release_gaps(db, now)
             rows: list[tuple[Operation, str, str | None]] = []
             earlier = aliased(Operation)
             nothing_before = ~exists().where(

@@ -1,0 +1,117 @@
+"""SFT throughput through the tinker SDK and an embedded server, vs the same work in-process.
+
+Prints one JSON object:
+- `sdk_tokens_per_s`: a forward_backward + optim_step loop driven by the official tinker SDK
+  against `treadle-server serve` running as its own process (submitted back to back);
+- `inprocess_tokens_per_s`: the identical computation on an Engine in this process;
+- `ratio` = sdk / in-process (goal ≥ 0.95);
+- `tiny_op_rtt_ms`: p50/p90 round trip of a tiny op (optim_step on a 1M model) through the
+  SDK — submit, long-poll, result (goal p50 ≤ 5 ms).
+
+Run: `python bench/e2e_sft.py [--model treadle/tiny-10m] [--batch 8] [--seq 256] [--steps 8]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._server import embedded_server  # noqa: E402
+
+
+def _batch(batch: int, seq: int, vocab: int = 4000) -> list[list[int]]:
+    return [[(131 * b + 7 * t) % (vocab - 10) + 5 for t in range(seq + 1)] for b in range(batch)]
+
+
+def inprocess(model: str, rows: list[list[int]], steps: int, threads: int) -> float:
+    import numpy as np
+
+    from gpu_worker.engine import Engine, EngineSettings
+    from gpu_worker.protocol import AdamParams, Datum, LoraSpec
+
+    engine = Engine(EngineSettings(num_threads=threads))
+    engine.create_run("bench", model, LoraSpec(rank=32, alpha=32.0, seed=0))
+    data = [Datum(tokens=np.array(r[:-1]), loss_fn_inputs={"target_tokens": np.array(r[1:]),
+                                                           "weights": np.ones(len(r) - 1, np.float32)})
+            for r in rows]
+    tokens = sum(len(r) - 1 for r in rows)
+    engine.forward_backward("bench", data)  # warm-up
+    engine.optim_step("bench", AdamParams())
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.forward_backward("bench", data)
+        engine.optim_step("bench", AdamParams())
+    return tokens * steps / (time.perf_counter() - start)
+
+
+def through_sdk(base_url: str, key: str, model: str, rows: list[list[int]], steps: int) -> tuple[float, list[float]]:
+    import tinker
+    from tinker import types
+
+    client = tinker.ServiceClient(base_url=base_url, api_key=key)
+    trainer = client.create_lora_training_client(base_model=model, rank=32, seed=0).result()
+    data = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                        loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)}) for r in rows]
+    tokens = sum(len(r) - 1 for r in rows)
+    trainer.forward_backward(data, "cross_entropy").result()
+    trainer.optim_step(types.AdamParams()).result()
+    start = time.perf_counter()
+    pending = []
+    for _ in range(steps):
+        pending.append(trainer.forward_backward(data, "cross_entropy"))
+        pending.append(trainer.optim_step(types.AdamParams()))
+    for future in pending:
+        future.result()
+    throughput = tokens * steps / (time.perf_counter() - start)
+
+    tiny = client.create_lora_training_client(base_model="treadle/tiny-1m", rank=1).result()
+    tiny.optim_step(types.AdamParams()).result()
+    rtts = []
+    for _ in range(60):
+        t0 = time.perf_counter()
+        tiny.optim_step(types.AdamParams()).result()
+        rtts.append((time.perf_counter() - t0) * 1000)
+    client.close("success").result(timeout=60)
+    return throughput, rtts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="treadle/tiny-10m")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    args = parser.parse_args()
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    rows = _batch(args.batch, args.seq)
+
+    from tests.services import free_port
+
+    with embedded_server(args.port or free_port(), threads=args.threads, models=[args.model, "treadle/tiny-1m"]) as (url, key):
+        sdk_tps, rtts = through_sdk(url, key, args.model, rows, args.steps)
+    local_tps = inprocess(args.model, rows, args.steps, args.threads)
+    quantiles = statistics.quantiles(rtts, n=10)
+    print(json.dumps({
+        "benchmark": "e2e_sft",
+        "model": args.model,
+        "batch": f"{args.batch}x{args.seq}",
+        "threads": args.threads,
+        "steps": args.steps,
+        "sdk_tokens_per_s": round(sdk_tps, 1),
+        "inprocess_tokens_per_s": round(local_tps, 1),
+        "ratio": round(sdk_tps / local_tps, 3),
+        "tiny_op_rtt_ms": {"p50": round(statistics.median(rtts), 2), "p90": round(quantiles[-1], 2)},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

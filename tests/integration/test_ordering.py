@@ -1,0 +1,100 @@
+"""Per-run ordering: out-of-order arrival waits for the gap to fill; a gap that never fills is
+released after the timeout, and its straggler is refused with a user error."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from api.app import create_app
+from api.dbschema import upgrade
+from core.db import Database
+from core.tables import Operation
+from tests.conftest import make_settings, tenant_factory
+from tests.integration.test_recovery import DATUM, MODEL, _op, _result
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], str]]:
+    url = f"sqlite:///{tmp_path / 'treadle.db'}"
+    upgrade(Database(url))
+    settings = make_settings(tmp_path, url, gap_timeout_seconds=1.5)
+    app = create_app(settings)
+    headers = {"X-API-Key": tenant_factory(app.state.treadle.database, settings)().key}
+    with TestClient(app) as test_client:
+        session_id = test_client.post("/api/v1/create_session", json={}, headers=headers).json()[
+            "session_id"
+        ]
+        run_id = str(
+            _op(
+                test_client,
+                headers,
+                "create_model",
+                {
+                    "session_id": session_id,
+                    "model_seq_id": 0,
+                    "base_model": MODEL,
+                    "lora_config": {"rank": 2},
+                },
+            )["model_id"]
+        )
+        yield test_client, headers, run_id
+
+
+def _submit(client: TestClient, headers: dict[str, str], path: str, body: dict[str, object]) -> str:
+    response = client.post(f"/api/v1/{path}", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return str(response.json()["request_id"])
+
+
+def _fb(run_id: str, seq_id: int) -> dict[str, object]:
+    return {"model_id": run_id, "seq_id": seq_id, "data": [DATUM], "loss_fn": "cross_entropy"}
+
+
+def test_out_of_order_arrival_runs_in_seq_order(
+    client: tuple[TestClient, dict[str, str], str],
+) -> None:
+    test_client, headers, run_id = client
+    later = _submit(
+        test_client,
+        headers,
+        "optim_step",
+        {"model_id": run_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}},
+    )
+    time.sleep(0.3)  # seq 2 waits: seq 1 has not arrived
+    database: Database = test_client.app.state.treadle.database  # type: ignore[attr-defined]
+    with database.reader() as db:
+        assert db.scalar(select(Operation.status).where(Operation.id == later)) == "queued"
+    earlier = _submit(test_client, headers, "forward_backward", _fb(run_id, 1))
+    _result(test_client, headers, later)
+    with database.reader() as db:
+        finished = db.execute(
+            select(Operation.id, Operation.finished_at).where(Operation.id.in_([earlier, later]))
+        ).all()
+    rows = {op_id: at for op_id, at in finished}
+    assert rows[earlier] <= rows[later]
+
+
+def test_a_gap_is_released_after_the_timeout_and_its_straggler_refused(
+    client: tuple[TestClient, dict[str, str], str],
+) -> None:
+    test_client, headers, run_id = client
+    started = time.monotonic()
+    after_gap = _submit(test_client, headers, "forward_backward", _fb(run_id, 2))
+    _result(test_client, headers, after_gap)  # runs once the missing seq 1 is given up
+    assert time.monotonic() - started >= 1.5
+    straggler = _submit(test_client, headers, "forward_backward", _fb(run_id, 1))
+    body = test_client.post(
+        "/api/v1/retrieve_future", json={"request_id": straggler}, headers=headers
+    ).json()
+    assert body["category"] == "user"
+    assert "after later requests" in body["error"]
+    # The run goes on with the next seq_id.
+    _result(test_client, headers, _submit(test_client, headers, "forward_backward", _fb(run_id, 3)))
