@@ -8,7 +8,9 @@ server received the request) that must be retried without running any op twice.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import multiprocessing
 import pickle
 import threading
 import time
@@ -31,6 +33,7 @@ from core.db import Database
 from core.tables import Operation
 from tests.conftest import make_settings, tenant_factory
 from tests.e2e.conftest import LiveServer
+from tests.sdk_client._worker import sample_tokens
 from tests.services import free_port
 from treadle import cli, types
 
@@ -381,3 +384,11 @@ def test_server_restart_mid_loop_is_survived(tmp_path: Path) -> None:
             ).all()
     assert sorted(seqs) == [0, 1, 2, 3, 4, 5]
     assert losses[2] < losses[1] < losses[0], losses
+
+
+def test_sampling_client_works_in_a_worker_process(service: treadle.ServiceClient) -> None:
+    sampler = service.create_sampling_client(base_model=MODEL)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        remote = pool.submit(sample_tokens, sampler, [3, 4, 5], 17).result(timeout=300)
+    assert remote == sample_tokens(sampler, [3, 4, 5], 17)
