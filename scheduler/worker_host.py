@@ -273,6 +273,11 @@ class WorkerHost:
             self.store.delete(previous)
 
     def _claim(self) -> list[Task]:
+        # Look before taking the write lock: an idle engine must not contend with the API's
+        # writes (on SQLite a contended BEGIN IMMEDIATE sleeps in the busy handler).
+        with self.database.reader() as db:
+            if db.scalar(select(Operation.id).where(Operation.status == QUEUED).limit(1)) is None:
+                return []
         now = self.clock.now()
         with self.database.transaction() as db:
             # Gaps are given up after minutes: looking for them once a second is plenty.
