@@ -23,7 +23,15 @@ from core.objectstore import ArtifactStore
 from core.tables import ModelVersion, TrainingRun
 from gpu_worker import protocol as ep
 from scheduler import convert
-from scheduler.ops import JSON, PROTO, OpKind, decode_json_payload, decode_payload
+from scheduler.ops import (
+    JSON,
+    JSON_ZSTD,
+    PROTO,
+    REFUSED,
+    OpKind,
+    decode_json_payload,
+    decode_payload,
+)
 from scheduler.task import Task
 from treadle.types import (
     CreateModelResponse,
@@ -216,6 +224,10 @@ class Executor:
             OpKind.SAVE_WEIGHTS_EXTERNAL: self._save_external,
             OpKind.UNLOAD_MODEL: self._unload,
         }
+        if task.payload_codec == JSON_ZSTD:
+            payload = decode_json_payload(task.payload, task.payload_codec)
+            if REFUSED in payload:
+                return Outcome.failed("user", str(payload[REFUSED]))
         return _guarded(task, lambda: handlers[task.kind](task))
 
     def replay(self, task: Task) -> None:

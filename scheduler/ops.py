@@ -53,6 +53,14 @@ def decode_payload(data: bytes, codec: str) -> bytes:
     return _decompressor.decompress(data)
 
 
+REFUSED = "refused"
+
+
+def refused(message: str) -> dict[str, Any]:
+    """The payload of a request refused at submission: it fails, in order, with `message`."""
+    return {REFUSED: message}
+
+
 def decode_json_payload(data: bytes, codec: str) -> dict[str, Any]:
     value: dict[str, Any] = json.loads(decode_payload(data, codec))
     return value

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Request
+from sqlalchemy.orm import Session as OrmSession
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
 from api.ops import active_run, check_base_model, check_rank, require_session
 from core import runs
-from core.errors import InvalidInput
-from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload
+from core.errors import InvalidInput, SessionExpired, TreadleError
+from core.tables import TrainingRun
+from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload, refused
 from scheduler.submit import UNLOAD_SEQ, submit, submit_training_op
 from treadle.types import (
     CreateModelRequest,
@@ -31,7 +35,9 @@ router = APIRouter(prefix="/api/v1", tags=["training"])
 
 
 @router.post("/create_model", response_model=UntypedAPIFuture, response_model_exclude_none=True)
-def create_model(body: CreateModelRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
+def create_model(
+    body: CreateModelRequest, principal: CurrentPrincipal, state: State
+) -> UntypedAPIFuture:
     check_base_model(state, body.base_model)
     if body.optimizer_config.type != "adamw":
         raise InvalidInput(f"optimizer {body.optimizer_config.type!r} is not supported; use adamw")
@@ -40,14 +46,26 @@ def create_model(body: CreateModelRequest, principal: CurrentPrincipal, state: S
         require_session(db, state, principal, body.session_id)
         check_rank(db, principal, int(lora["rank"]))
         run, _ = runs.create_training_run(
-            db, state.clock, tenant_id=principal.tenant_id, session_id=body.session_id,
-            model_seq_id=body.model_seq_id, base_model=body.base_model, lora_config=lora,
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            session_id=body.session_id,
+            model_seq_id=body.model_seq_id,
+            base_model=body.base_model,
+            lora_config=lora,
             user_metadata=body.user_metadata,
         )
         payload, codec = encode_json_payload({"base_model": body.base_model, "lora_config": lora})
         submitted = submit(
-            db, state.clock, tenant_id=principal.tenant_id, session_id=body.session_id, target_id=run.id,
-            seq_id=0, kind=OpKind.CREATE_MODEL, payload=payload, payload_codec=codec,
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            session_id=body.session_id,
+            target_id=run.id,
+            seq_id=0,
+            kind=OpKind.CREATE_MODEL,
+            payload=payload,
+            payload_codec=codec,
         )
     state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
@@ -59,14 +77,18 @@ def get_info(body: GetInfoRequest, principal: CurrentPrincipal, state: State) ->
         run = runs.get_run(db, principal.tenant_id, body.model_id)
         return GetInfoResponse(
             model_id=run.id,
-            model_data=ModelData(arch="llama", model_name=run.base_model, tokenizer_id=run.base_model),
+            model_data=ModelData(
+                arch="llama", model_name=run.base_model, tokenizer_id=run.base_model
+            ),
             is_lora=True,
             lora_rank=run.lora_rank,
             model_name=run.base_model,
         )
 
 
-def _decode_forward_backward(body: bytes, content_type: str, content_encoding: str | None) -> tuple[ForwardBackwardRequest, bytes, str]:
+def _decode_forward_backward(
+    body: bytes, content_type: str, content_encoding: str | None
+) -> tuple[ForwardBackwardRequest, bytes, str]:
     """The decoded request, and the payload to store: the protobuf as sent, zstd-compressed."""
     try:
         if "json" in content_type:
@@ -84,48 +106,94 @@ def _decode_forward_backward(body: bytes, content_type: str, content_encoding: s
 
 
 @router.post("/forward_backward", response_model=UntypedAPIFuture, response_model_exclude_none=True)
-async def forward_backward(request: Request, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
+async def forward_backward(
+    request: Request, principal: CurrentPrincipal, state: State
+) -> UntypedAPIFuture:
     """Protobuf body (as the tinker SDK sends it), or JSON for clients without protobuf."""
     body = await request.body()
     decoded, payload, codec = await run_in_threadpool(
-        _decode_forward_backward, body, request.headers.get("content-type", ""),
+        _decode_forward_backward,
+        body,
+        request.headers.get("content-type", ""),
         request.headers.get("content-encoding"),
     )
-    return await run_in_threadpool(_submit_forward_backward, state, principal, decoded, payload, codec)
+    return await run_in_threadpool(
+        _submit_forward_backward, state, principal, decoded, payload, codec
+    )
 
 
-def _submit_forward_backward(state: State, principal: CurrentPrincipal, decoded: ForwardBackwardRequest,
-                             payload: bytes, codec: str) -> UntypedAPIFuture:
+def _submit_forward_backward(
+    state: State,
+    principal: CurrentPrincipal,
+    decoded: ForwardBackwardRequest,
+    payload: bytes,
+    codec: str,
+) -> UntypedAPIFuture:
     with state.database.transaction() as db:
         run = active_run(db, state, principal, decoded.model_id)
-        submitted = submit_training_op(db, state.clock, run=run, seq_id=decoded.seq_id,
-                                       kind=OpKind.FORWARD_BACKWARD, payload=payload, payload_codec=codec)
+        submitted = submit_training_op(
+            db,
+            state.clock,
+            run=run,
+            seq_id=decoded.seq_id,
+            kind=OpKind.FORWARD_BACKWARD,
+            payload=payload,
+            payload_codec=codec,
+        )
     state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=decoded.model_id)
 
 
 @router.post("/optim_step", response_model=UntypedAPIFuture, response_model_exclude_none=True)
-def optim_step(body: OptimStepRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
-    if body.optimizer_params is not None:
-        raise InvalidInput("only AdamW is supported; send adam_params instead of optimizer_params")
+def optim_step(
+    body: OptimStepRequest, principal: CurrentPrincipal, state: State
+) -> UntypedAPIFuture:
     if body.seq_id is None:
-        raise InvalidInput("optim_step needs a seq_id: the position of this request in the run's order")
-    return submit_json_op(state, principal, body.model_id, body.seq_id, OpKind.OPTIM_STEP,
-                          body.model_dump(mode="json", exclude_none=True))
+        raise InvalidInput(
+            "optim_step needs a seq_id: the position of this request in the run's order"
+        )
+
+    def payload(db: OrmSession, run: TrainingRun) -> dict[str, object]:
+        if body.optimizer_params is not None:
+            raise InvalidInput(
+                "only AdamW is supported; send adam_params instead of optimizer_params"
+            )
+        return body.model_dump(mode="json", exclude_none=True)
+
+    return submit_json_op(state, principal, body.model_id, body.seq_id, OpKind.OPTIM_STEP, payload)
 
 
 @router.post("/unload_model", response_model=UntypedAPIFuture, response_model_exclude_none=True)
-def unload_model(body: UnloadModelRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
+def unload_model(
+    body: UnloadModelRequest, principal: CurrentPrincipal, state: State
+) -> UntypedAPIFuture:
     """Frees the run's memory once every request submitted before it has run."""
     return submit_json_op(state, principal, body.model_id, UNLOAD_SEQ, OpKind.UNLOAD_MODEL, {})
 
 
-def submit_json_op(state: State, principal: CurrentPrincipal, model_id: str, seq_id: int, kind: OpKind,
-                   payload: dict[str, object]) -> UntypedAPIFuture:
-    data, codec = encode_json_payload(payload)
+def submit_json_op(
+    state: State,
+    principal: CurrentPrincipal,
+    model_id: str,
+    seq_id: int,
+    kind: OpKind,
+    payload: dict[str, object] | Callable[[OrmSession, TrainingRun], dict[str, object]],
+) -> UntypedAPIFuture:
+    """Submit an op on the caller's run. `payload` may be a function that checks the request
+    against the run and builds the payload; if it refuses the request, the op is still queued —
+    it fails through its future in the run's order — so the client's next seq_id never waits
+    for one that will not come."""
     with state.database.transaction() as db:
         run = active_run(db, state, principal, model_id)
-        submitted = submit_training_op(db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data,
-                                       payload_codec=codec)
+        try:
+            content = payload(db, run) if callable(payload) else payload
+        except TreadleError as exc:
+            if exc.category != "user" or isinstance(exc, SessionExpired):
+                raise
+            content = refused(exc.message)
+        data, codec = encode_json_payload(content)
+        submitted = submit_training_op(
+            db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data, payload_codec=codec
+        )
     state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=model_id)

@@ -98,3 +98,52 @@ def test_a_gap_is_released_after_the_timeout_and_its_straggler_refused(
     assert "after later requests" in body["error"]
     # The run goes on with the next seq_id.
     _result(test_client, headers, _submit(test_client, headers, "forward_backward", _fb(run_id, 3)))
+
+
+def test_a_refused_request_keeps_its_place_so_later_ones_never_wait(tmp_path: Path) -> None:
+    """A request refused on its content (here: a checkpoint name already taken) still takes its
+    seq_id and fails through its future; the next request runs at once, with no gap to wait out."""
+    url = f"sqlite:///{tmp_path / 'treadle.db'}"
+    upgrade(Database(url))
+    settings = make_settings(tmp_path, url, gap_timeout_seconds=3600)
+    app = create_app(settings)
+    headers = {"X-API-Key": tenant_factory(app.state.treadle.database, settings)().key}
+    with TestClient(app) as test_client:
+        session_id = test_client.post("/api/v1/create_session", json={}, headers=headers).json()[
+            "session_id"
+        ]
+        run_id = str(
+            _op(
+                test_client,
+                headers,
+                "create_model",
+                {
+                    "session_id": session_id,
+                    "model_seq_id": 0,
+                    "base_model": MODEL,
+                    "lora_config": {"rank": 2},
+                },
+            )["model_id"]
+        )
+        _op(test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 1, "path": "ckpt"})
+        taken = _submit(
+            test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 2, "path": "ckpt"}
+        )
+        unsupported = _submit(
+            test_client,
+            headers,
+            "optim_step",
+            {
+                "model_id": run_id,
+                "seq_id": 3,
+                "optimizer_params": {"type": "dimuon", "learning_rate": 0.01},
+            },
+        )
+        for request_id, fragment in ((taken, "already exists"), (unsupported, "only AdamW")):
+            body = test_client.post(
+                "/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers
+            ).json()
+            assert body["category"] == "user" and fragment in body["error"], body
+        _result(
+            test_client, headers, _submit(test_client, headers, "forward_backward", _fb(run_id, 4))
+        )
