@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,8 @@ def embedded_server(port: int, *, threads: int, models: list[str]) -> Iterator[t
         output += proc.stdout.readline()
     match = KEY_RE.search(output)
     assert match, output
+    # Keep reading the server's output: a full pipe would block its logging, and the server.
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     try:
         yield f"http://127.0.0.1:{port}", match.group(0)
     finally:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._server import embedded_server  # noqa: E402
+from bench._server import embedded_server
 
 
 def _rows(batch: int, seq: int) -> list[list[int]]:

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session as OrmSession
 from core.errors import NotFound
 from core.tables import Operation, SamplingSession, TrainingRun
 from scheduler.submit import DONE, FAILED, QUEUED
+from treadle.types import QueueState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +20,7 @@ class FutureState:
     result_codec: str | None = None
     error_message: str | None = None
     error_category: str | None = None
-    queue_state: str = "active"
+    queue_state: QueueState = "active"
 
 
 def read_future(

@@ -12,6 +12,7 @@ import json
 import logging
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import cast
 from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
@@ -25,6 +26,7 @@ from core.tables import ModelPackage, ModelVersion
 from treadle.types import (
     Checkpoint,
     CheckpointsListResponse,
+    CheckpointType,
     Cursor,
     ExternalWeightsUrlsResponse,
     SetCheckpointTtlRequest,
@@ -67,7 +69,7 @@ def checkpoint_view(version: ModelVersion) -> Checkpoint:
     _, kind, name = checkpoints.parse_tinker_path(version.tinker_path)
     return Checkpoint(
         checkpoint_id=f"{checkpoints.SEGMENT_BY_KIND[kind]}/{name}",
-        checkpoint_type=kind,
+        checkpoint_type=cast(CheckpointType, kind),
         time=version.created_at,
         tinker_path=version.tinker_path,
         size_bytes=version.size_bytes,
