@@ -5,6 +5,8 @@ Prints one JSON object:
   against `treadle-server serve` running as its own process (submitted back to back);
 - `inprocess_tokens_per_s`: the identical computation on an Engine in this process;
 - `ratio` = sdk / in-process (goal ≥ 0.95);
+- `treadle_sdk_tokens_per_s`: the same loop with Treadle's own client, and its ratio to the
+  tinker SDK's (goal ≥ 1);
 - `tiny_op_rtt_ms`: p50/p90 round trip of a tiny op (optim_step on a 1M model) through the
   SDK — submit, long-poll, result (goal p50 ≤ 5 ms).
 
@@ -82,6 +84,28 @@ def through_sdk(base_url: str, key: str, model: str, rows: list[list[int]], step
     return throughput, rtts
 
 
+def through_treadle(base_url: str, key: str, model: str, rows: list[list[int]], steps: int) -> float:
+    """The same loop with Treadle's own client."""
+    import treadle
+    from treadle import types
+
+    with treadle.ServiceClient(base_url=base_url, api_key=key) as client:
+        trainer = client.create_lora_training_client(model, rank=32, seed=0)
+        data = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)})
+                for r in rows]
+        trainer.forward_backward(data, "cross_entropy").result()
+        trainer.optim_step(types.AdamParams()).result()
+        start = time.perf_counter()
+        pending = []
+        for _ in range(steps):
+            pending.append(trainer.forward_backward(data, "cross_entropy"))
+            pending.append(trainer.optim_step(types.AdamParams()))
+        for future in pending:
+            future.result()
+        return sum(len(r) - 1 for r in rows) * steps / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="treadle/tiny-10m")
@@ -98,6 +122,7 @@ def main() -> None:
 
     with embedded_server(args.port or free_port(), threads=args.threads, models=[args.model, "treadle/tiny-1m"]) as (url, key):
         sdk_tps, rtts = through_sdk(url, key, args.model, rows, args.steps)
+        treadle_tps = through_treadle(url, key, args.model, rows, args.steps)
     local_tps = inprocess(args.model, rows, args.steps, args.threads)
     quantiles = statistics.quantiles(rtts, n=10)
     print(json.dumps({
@@ -109,6 +134,8 @@ def main() -> None:
         "sdk_tokens_per_s": round(sdk_tps, 1),
         "inprocess_tokens_per_s": round(local_tps, 1),
         "ratio": round(sdk_tps / local_tps, 3),
+        "treadle_sdk_tokens_per_s": round(treadle_tps, 1),
+        "treadle_vs_tinker_sdk": round(treadle_tps / sdk_tps, 3),
         "tiny_op_rtt_ms": {"p50": round(statistics.median(rtts), 2), "p90": round(quantiles[-1], 2)},
     }, indent=2))
 
