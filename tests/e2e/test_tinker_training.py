@@ -92,7 +92,7 @@ def test_custom_dpo_style_loss(service: tinker.ServiceClient) -> None:
         weights = [torch.tensor(d.loss_fn_inputs["weights"].tolist()) for d in data]
         margin = (logprobs[0] * weights[0]).sum() - (logprobs[1] * weights[1]).sum()
         loss = -torch.nn.functional.logsigmoid(0.1 * margin)
-        return loss, {"margin": float(margin)}
+        return loss, {"margin": float(margin.detach())}
 
     first = trainer.forward_backward_custom([chosen, rejected], dpo_loss).result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
