@@ -12,7 +12,8 @@ PYTHON=${PYTHON:-python3}
 . .venv/bin/activate
 
 stamp=.venv/.treadle-bootstrap
-want=$(cat pyproject.toml sdk/pyproject.toml cookbook/pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml sdk/pyproject.toml cookbook/pyproject.toml scripts/bootstrap.sh \
+    | python -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0
 fi
