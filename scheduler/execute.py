@@ -315,7 +315,7 @@ class Executor:
         name: str | None,
         *,
         optimizer: bool,
-        export: bool = False,
+        export: str | None = None,
         ttl_seconds: int | None = None,
         overwrite: bool = False,
         user_metadata: dict[str, str] | None = None,
@@ -323,7 +323,9 @@ class Executor:
         """Write the run's weights to the store; returns its size and the registering callback."""
         key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/{kind}/{name or 'snapshot'}-{task.id}"
         folder = self.store.local_dir(key)
-        if export:
+        if export == "merged":
+            self.engine.export_merged(task.target_id, folder)
+        elif export == "adapter":
             self.engine.export_adapter(task.target_id, folder)
         else:
             self.engine.save_state(task.target_id, folder, include_optimizer=optimizer)
@@ -428,7 +430,7 @@ class Executor:
             "external",
             request.path,
             optimizer=False,
-            export=True,
+            export="merged" if request.merged else "adapter",
             ttl_seconds=request.ttl_seconds,
         )
         path = checkpoints.tinker_path(task.target_id, "external", request.path)

@@ -319,6 +319,36 @@ def test_export_and_cli(
     assert missing.exit_code == 1, missing.output
 
 
+def test_merged_export_loads_in_transformers_with_the_trained_weights(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    """`export(merged=True)`: a plain Hugging Face folder whose logprobs equal the server's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [11, 12, 13, 14, 15, 16]
+    with treadle.ServiceClient(
+        base_url=live_server.base_url, api_key=live_server.make_tenant().key
+    ) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, seed=2)
+        trainer.forward_backward([sft_datum()], "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2))
+        path = trainer.export("merged", merged=True).result().path
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        served = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+        out = tmp_path / "merged"
+        service.create_rest_client().download_checkpoint(path, out)
+    assert (out / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    local = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(prompt[1:])[:, None])[
+        :, 0
+    ]
+    assert served[0] is None
+    assert torch.allclose(torch.tensor(served[1:]), local, atol=1e-4)
+
+
 def test_readme_quickstart_runs(live_server: LiveServer) -> None:
     readme = (Path(__file__).resolve().parents[2] / "sdk" / "README.md").read_text()
     quickstart = readme.split("```python\n", 1)[1].split("```", 1)[0]

@@ -263,14 +263,23 @@ class TrainingClient:
         return await self._conn.call(open_sampling_client(self._session, None, model_path))
 
     def export(
-        self, name: str, *, ttl_seconds: int | None = None
+        self, name: str, *, ttl_seconds: int | None = None, merged: bool = False
     ) -> APIFuture[SaveWeightsExternalResponse]:
-        """Export the adapter in PEFT format as `tinker://{run}/external_weights/{name}`.
+        """Export the weights as `tinker://{run}/external_weights/{name}`.
 
-        Download it with `RestClient.download_checkpoint` or `treadle download PATH`; the
-        folder loads with `peft.PeftModel.from_pretrained` or vLLM.
+        Args:
+            name: the export's name.
+            ttl_seconds: delete it after this long (1 hour to 10 years); None keeps it.
+            merged: a Hugging Face model folder with the adapter merged into the base weights
+                (loads with `transformers` alone) instead of a PEFT adapter folder (loads with
+                `peft.PeftModel.from_pretrained` on the base model, or vLLM).
+
+        Download it with `RestClient.download_checkpoint` or `treadle download PATH`. Like every
+        save, it is registered on the server as a new version of the run's model.
         """
-        body = {"path": name, "ttl_seconds": ttl_seconds}
+        body: dict[str, object] = {"path": name, "ttl_seconds": ttl_seconds}
+        if merged:
+            body["merged"] = True
         return self._ops.json_op(
             "/api/v1/save_weights_external",
             body,
@@ -324,10 +333,10 @@ class TrainingClient:
         return await self.save_weights_and_get_sampling_client()
 
     async def export_async(
-        self, name: str, *, ttl_seconds: int | None = None
+        self, name: str, *, ttl_seconds: int | None = None, merged: bool = False
     ) -> APIFuture[SaveWeightsExternalResponse]:
         """`export` for asyncio code; returns the future."""
-        return self.export(name, ttl_seconds=ttl_seconds)
+        return self.export(name, ttl_seconds=ttl_seconds, merged=merged)
 
     # -- information ------------------------------------------------------------------------
 

@@ -68,6 +68,9 @@ class SaveWeightsExternalRequest(WireRequest):
     ttl_seconds: int | None = None
     age_encryption_recipients: list[str] | None = None
     """age recipients (`age1...` or SSH public keys) to encrypt each exported file to."""
+    merged: bool | None = None
+    """Treadle extension: export a Hugging Face model folder with the adapter merged into the
+    base weights instead of a PEFT adapter folder (the tinker SDK never sets it)."""
     type: Literal["save_weights_external"] = "save_weights_external"
 
 
