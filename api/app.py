@@ -24,6 +24,7 @@ from api.routes import (
     sampling,
     sessions,
     training,
+    usage,
     weights,
 )
 from core import sessions as session_service
@@ -103,6 +104,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         runs,
         checkpoints,
         artifacts,
+        usage,
     ):
         app.include_router(module.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)

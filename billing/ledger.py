@@ -8,6 +8,7 @@ stores the operation's result, so a result never exists without its usage or vic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -57,7 +58,9 @@ def record_usage(
     dialect = db.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     db.execute(
-        insert(UsageEvent).values(rows).on_conflict_do_nothing(index_elements=["operation_id", "kind"])
+        insert(UsageEvent)
+        .values(rows)
+        .on_conflict_do_nothing(index_elements=["operation_id", "kind"])
     )
 
 
@@ -68,3 +71,22 @@ def totals_by_kind(db: OrmSession, tenant_id: str) -> dict[str, int]:
         .group_by(UsageEvent.kind)
     )
     return {kind: int(total) for kind, total in rows}
+
+
+def usage_by_model_and_kind(
+    db: OrmSession, tenant_id: str, *, since: datetime | None = None, until: datetime | None = None
+) -> list[tuple[str, str, int]]:
+    """The tenant's usage summed per (base model, kind) over [since, until)."""
+    query = select(UsageEvent.base_model, UsageEvent.kind, func.sum(UsageEvent.quantity)).where(
+        UsageEvent.tenant_id == tenant_id
+    )
+    if since is not None:
+        query = query.where(UsageEvent.created_at >= since)
+    if until is not None:
+        query = query.where(UsageEvent.created_at < until)
+    rows = db.execute(
+        query.group_by(UsageEvent.base_model, UsageEvent.kind).order_by(
+            UsageEvent.base_model, UsageEvent.kind
+        )
+    )
+    return [(model, kind, int(total)) for model, kind, total in rows]

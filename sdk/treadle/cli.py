@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -171,6 +171,27 @@ def download(
             errors.print(Text.assemble(("error: ", "red"), str(exc)))
             raise typer.Exit(2) from exc
     console.print(Text(f"downloaded {len(tasks)} files to {folder}"))
+
+
+@app.command()
+def usage(
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+    since: Annotated[
+        datetime | None, typer.Option(help="Only usage from this UTC time on (e.g. 2026-11-01).")
+    ] = None,
+) -> None:
+    """Show the tokens and saves billed to your account, per base model."""
+    start = since.replace(tzinfo=UTC) if since is not None and since.tzinfo is None else since
+    with _rest(base_url, api_key) as rest:
+        report = rest.get_usage(since=start)
+    title = "usage" + (f" since {start.isoformat(timespec='minutes')}" if start else "")
+    table = Table(title=title)
+    for column in ("base model", "kind", "quantity"):
+        table.add_column(column, overflow="fold")
+    for line in report.lines:
+        table.add_row(*_cells(line.base_model, line.kind, f"{line.quantity:,}"))
+    console.print(table)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import pickle
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -347,6 +348,34 @@ def test_merged_export_loads_in_transformers_with_the_trained_weights(
     ]
     assert served[0] is None
     assert torch.allclose(torch.tensor(served[1:]), local, atol=1e-4)
+
+
+def test_usage_report_and_cli(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = live_server.make_tenant().key
+    datum = sft_datum()
+    with treadle.ServiceClient(base_url=live_server.base_url, api_key=key) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=2, seed=1)
+        trainer.forward_backward([datum, datum], "cross_entropy")
+        trainer.optim_step(types.AdamParams()).result()
+        rest = service.create_rest_client()
+        report = rest.get_usage()
+        later = rest.get_usage(since=datetime.now(UTC) + timedelta(hours=1))
+    trained = 2 * datum.model_input.length
+    assert [(line.base_model, line.kind, line.quantity) for line in report.lines] == [
+        (MODEL, "training", trained)
+    ]
+    assert later.lines == []
+    with treadle.RestClient(
+        base_url=live_server.base_url, api_key=live_server.make_tenant().key
+    ) as other:
+        assert other.get_usage().lines == []  # tenants see only their own usage
+
+    monkeypatch.setattr(cli, "console", Console(width=400, emoji=False, highlight=False))
+    monkeypatch.setenv("TREADLE_BASE_URL", live_server.base_url)
+    monkeypatch.setenv("TREADLE_API_KEY", key)
+    shown = CliRunner().invoke(cli.app, ["usage"])
+    assert shown.exit_code == 0, shown.output
+    assert "training" in shown.output and f"{trained:,}" in shown.output
 
 
 def test_readme_quickstart_runs(live_server: LiveServer) -> None:

@@ -7,6 +7,7 @@ Every method has an `*_async` twin for asyncio code.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from treadle.types import (
     ServerCapabilities,
     TrainingRun,
     TrainingRunsResponse,
+    UsageReport,
     WeightsInfoResponse,
 )
 
@@ -116,6 +118,26 @@ class RestClient:
     def get_training_run_by_tinker_path(self, path: str) -> TrainingRun:
         """The run a checkpoint belongs to. Raises ValueError for a malformed path."""
         return self.get_training_run(CheckpointPath.parse(path).training_run_id)
+
+    # -- usage ------------------------------------------------------------------------------
+
+    def get_usage(
+        self, since: datetime | None = None, until: datetime | None = None
+    ) -> UsageReport:
+        """Tokens and saves billed to the caller's tenant, per base model and kind.
+
+        Args:
+            since, until: limit the report to [since, until) (aware datetimes).
+        """
+        return self._run(self.get_usage_async(since, until))
+
+    async def get_usage_async(
+        self, since: datetime | None = None, until: datetime | None = None
+    ) -> UsageReport:
+        params = {
+            k: v.isoformat() for k, v in (("since", since), ("until", until)) if v is not None
+        }
+        return await self._conn.call(self._get("/api/v1/usage", UsageReport, **params))
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -158,6 +158,7 @@ from treadle.types.training import (
     UnloadModelRequest,
     UnloadModelResponse,
 )
+from treadle.types.usage import UsageLine, UsageReport
 from treadle.types.weights import (
     CopyWeightsRequest,
     CopyWeightsResponse,
@@ -305,6 +306,8 @@ __all__ = [
     "UnloadModelRequest",
     "UnloadModelResponse",
     "UntypedAPIFuture",
+    "UsageLine",
+    "UsageReport",
     "UserSearchOwner",
     "WeightsInfoRequest",
     "WeightsInfoResponse",
