@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import AppState
@@ -9,23 +11,33 @@ from core import runs, sessions
 from core.apikeys import Principal
 from core.errors import InvalidInput
 from core.tables import Tenant, TrainingRun
+from scheduler.ops import OpKind, encode_json_payload
+from scheduler.submit import Submitted, submit
 
 
 def active_run(db: OrmSession, state: AppState, principal: Principal, model_id: str) -> TrainingRun:
     """The caller's training run, if its session is still open (404 otherwise)."""
     run = runs.get_run(db, principal.tenant_id, model_id)
     sessions.require_active(
-        db, state.clock, tenant_id=principal.tenant_id, session_id=run.session_id,
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=run.session_id,
         ttl_seconds=state.settings.session_ttl_seconds,
     )
     if run.status in (runs.UNLOADED, runs.FAILED):
-        raise InvalidInput(f"training run {model_id} was {run.status}; create a new training client")
+        raise InvalidInput(
+            f"training run {model_id} was {run.status}; create a new training client"
+        )
     return run
 
 
 def require_session(db: OrmSession, state: AppState, principal: Principal, session_id: str) -> None:
     sessions.require_active(
-        db, state.clock, tenant_id=principal.tenant_id, session_id=session_id,
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=session_id,
         ttl_seconds=state.settings.session_ttl_seconds,
     )
 
@@ -42,5 +54,49 @@ def check_rank(db: OrmSession, principal: Principal, rank: int) -> None:
     tenant = db.get(Tenant, principal.tenant_id)
     assert tenant is not None
     if not 1 <= rank <= tenant.max_lora_rank:
-        raise InvalidInput(f"lora rank {rank} is outside 1..{tenant.max_lora_rank} allowed for your account; "
-                           f"pass a rank from 1 to {tenant.max_lora_rank}")
+        raise InvalidInput(
+            f"lora rank {rank} is outside 1..{tenant.max_lora_rank} allowed for your account; "
+            f"pass a rank from 1 to {tenant.max_lora_rank}"
+        )
+
+
+def open_run(
+    db: OrmSession,
+    state: AppState,
+    principal: Principal,
+    *,
+    session_id: str,
+    model_seq_id: int,
+    base_model: str,
+    lora_config: dict[str, Any],
+    user_metadata: dict[str, Any] | None,
+    kind: OpKind,
+    payload: dict[str, Any],
+) -> tuple[TrainingRun, Submitted]:
+    """Create a training run and submit the op that brings it to life (create_model, or a load),
+    as the run's seq 0. A retried creation answers with the same run and request."""
+    require_session(db, state, principal, session_id)
+    check_rank(db, principal, int(lora_config.get("rank", 32)))
+    run, _ = runs.create_training_run(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=session_id,
+        model_seq_id=model_seq_id,
+        base_model=base_model,
+        lora_config=lora_config,
+        user_metadata=user_metadata,
+    )
+    data, codec = encode_json_payload(payload)
+    submitted = submit(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=session_id,
+        target_id=run.id,
+        seq_id=0,
+        kind=kind,
+        payload=data,
+        payload_codec=codec,
+    )
+    return run, submitted

@@ -9,12 +9,12 @@ from sqlalchemy.orm import Session as OrmSession
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
-from api.ops import active_run, check_base_model, check_rank, require_session
+from api.ops import active_run, check_base_model, open_run
 from core import runs
 from core.errors import InvalidInput, SessionExpired, TreadleError
 from core.tables import TrainingRun
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload, refused
-from scheduler.submit import UNLOAD_SEQ, submit, submit_training_op
+from scheduler.submit import UNLOAD_SEQ, submit_training_op
 from treadle.types import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -43,29 +43,17 @@ def create_model(
         raise InvalidInput(f"optimizer {body.optimizer_config.type!r} is not supported; use adamw")
     lora = body.lora_config.model_dump() if body.lora_config else {"rank": 32}
     with state.database.transaction() as db:
-        require_session(db, state, principal, body.session_id)
-        check_rank(db, principal, int(lora["rank"]))
-        run, _ = runs.create_training_run(
+        run, submitted = open_run(
             db,
-            state.clock,
-            tenant_id=principal.tenant_id,
+            state,
+            principal,
             session_id=body.session_id,
             model_seq_id=body.model_seq_id,
             base_model=body.base_model,
             lora_config=lora,
             user_metadata=body.user_metadata,
-        )
-        payload, codec = encode_json_payload({"base_model": body.base_model, "lora_config": lora})
-        submitted = submit(
-            db,
-            state.clock,
-            tenant_id=principal.tenant_id,
-            session_id=body.session_id,
-            target_id=run.id,
-            seq_id=0,
             kind=OpKind.CREATE_MODEL,
-            payload=payload,
-            payload_codec=codec,
+            payload={"base_model": body.base_model, "lora_config": lora},
         )
     state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)

@@ -8,13 +8,12 @@ from fastapi import APIRouter
 from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
-from api.ops import check_base_model, check_rank, require_session
+from api.ops import check_base_model, open_run
 from api.routes.training import submit_json_op
-from core import checkpoints, runs
+from core import checkpoints
 from core.errors import InvalidInput
 from core.tables import ModelPackage, ModelVersion, TrainingRun
-from scheduler.ops import OpKind, encode_json_payload
-from scheduler.submit import submit
+from scheduler.ops import OpKind
 from treadle.types import (
     LoadWeightsRequest,
     SaveWeightsExternalRequest,
@@ -183,30 +182,17 @@ def load_weights(
         if body.base_model is not None and body.base_model != base_model:
             raise InvalidInput(f"{body.path} was trained on {base_model}, not {body.base_model}")
         check_base_model(state, base_model)
-        require_session(db, state, principal, body.session_id)
-        lora = dict(version.lora_config or {"rank": 32})
-        check_rank(db, principal, int(lora.get("rank", 32)))
-        run, _ = runs.create_training_run(
+        run, submitted = open_run(
             db,
-            state.clock,
-            tenant_id=principal.tenant_id,
+            state,
+            principal,
             session_id=body.session_id,
             model_seq_id=body.model_seq_id,
             base_model=base_model,
-            lora_config=lora,
+            lora_config=dict(version.lora_config or {"rank": 32}),
             user_metadata=body.user_metadata,
-        )
-        data, codec = encode_json_payload(_load_payload(version, base_model, body))
-        submitted = submit(
-            db,
-            state.clock,
-            tenant_id=principal.tenant_id,
-            session_id=body.session_id,
-            target_id=run.id,
-            seq_id=0,
             kind=OpKind.LOAD_WEIGHTS,
-            payload=data,
-            payload_codec=codec,
+            payload=_load_payload(version, base_model, body),
         )
     state.dispatcher.wake(run.id)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
