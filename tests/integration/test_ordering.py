@@ -3,6 +3,7 @@ released after the timeout, and its straggler is refused with a user error."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,31 +22,36 @@ from tests.integration.test_recovery import DATUM, MODEL, _op, _result
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def client(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], str]]:
+@contextlib.contextmanager
+def _server_with_run(
+    tmp_path: Path, gap_timeout_seconds: float
+) -> Iterator[tuple[TestClient, dict[str, str], str]]:
+    """An embedded server with one tenant, one session and one created training run."""
     url = f"sqlite:///{tmp_path / 'treadle.db'}"
     upgrade(Database(url))
-    settings = make_settings(tmp_path, url, gap_timeout_seconds=1.5)
+    settings = make_settings(tmp_path, url, gap_timeout_seconds=gap_timeout_seconds)
     app = create_app(settings)
     headers = {"X-API-Key": tenant_factory(app.state.treadle.database, settings)().key}
     with TestClient(app) as test_client:
-        session_id = test_client.post("/api/v1/create_session", json={}, headers=headers).json()[
-            "session_id"
-        ]
-        run_id = str(
-            _op(
-                test_client,
-                headers,
-                "create_model",
-                {
-                    "session_id": session_id,
-                    "model_seq_id": 0,
-                    "base_model": MODEL,
-                    "lora_config": {"rank": 2},
-                },
-            )["model_id"]
+        session = test_client.post("/api/v1/create_session", json={}, headers=headers).json()
+        created = _op(
+            test_client,
+            headers,
+            "create_model",
+            {
+                "session_id": session["session_id"],
+                "model_seq_id": 0,
+                "base_model": MODEL,
+                "lora_config": {"rank": 2},
+            },
         )
-        yield test_client, headers, run_id
+        yield test_client, headers, str(created["model_id"])
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], str]]:
+    with _server_with_run(tmp_path, gap_timeout_seconds=1.5) as served:
+        yield served
 
 
 def _submit(client: TestClient, headers: dict[str, str], path: str, body: dict[str, object]) -> str:
@@ -103,28 +109,7 @@ def test_a_gap_is_released_after_the_timeout_and_its_straggler_refused(
 def test_a_refused_request_keeps_its_place_so_later_ones_never_wait(tmp_path: Path) -> None:
     """A request refused on its content (here: a checkpoint name already taken) still takes its
     seq_id and fails through its future; the next request runs at once, with no gap to wait out."""
-    url = f"sqlite:///{tmp_path / 'treadle.db'}"
-    upgrade(Database(url))
-    settings = make_settings(tmp_path, url, gap_timeout_seconds=3600)
-    app = create_app(settings)
-    headers = {"X-API-Key": tenant_factory(app.state.treadle.database, settings)().key}
-    with TestClient(app) as test_client:
-        session_id = test_client.post("/api/v1/create_session", json={}, headers=headers).json()[
-            "session_id"
-        ]
-        run_id = str(
-            _op(
-                test_client,
-                headers,
-                "create_model",
-                {
-                    "session_id": session_id,
-                    "model_seq_id": 0,
-                    "base_model": MODEL,
-                    "lora_config": {"rank": 2},
-                },
-            )["model_id"]
-        )
+    with _server_with_run(tmp_path, gap_timeout_seconds=3600) as (test_client, headers, run_id):
         _op(test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 1, "path": "ckpt"})
         taken = _submit(
             test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 2, "path": "ckpt"}
