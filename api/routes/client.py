@@ -60,7 +60,9 @@ async def telemetry(
     return TelemetryResponse()
 
 
-@router.get("/get_server_capabilities", response_model=ServerCapabilities, response_model_exclude_none=True)
+@router.get(
+    "/get_server_capabilities", response_model=ServerCapabilities, response_model_exclude_none=True
+)
 def get_server_capabilities(_: CurrentPrincipal, state: State) -> ServerCapabilities:
     """The offered base models; context lengths once a worker serving them has registered."""
     with state.database.reader() as db:
@@ -70,7 +72,9 @@ def get_server_capabilities(_: CurrentPrincipal, state: State) -> ServerCapabili
         supported_models=[
             SupportedModel(
                 model_name=name,
-                max_context_length=registered.get(aliases.get(name, name), {}).get("max_context_length"),
+                max_context_length=registered.get(aliases.get(name, name), {}).get(
+                    "max_context_length"
+                ),
             )
             for name in state.settings.offered_models
         ]

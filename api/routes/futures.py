@@ -38,18 +38,23 @@ def _proto_as_json(result: bytes, request_type: str | None) -> dict[str, object]
 
 def _respond(state: FutureState, request: Request) -> Response:
     if state.error_message is not None:
-        return JSONResponse({"error": state.error_message, "category": state.error_category or "server"})
+        return JSONResponse(
+            {"error": state.error_message, "category": state.error_category or "server"}
+        )
     assert state.result is not None
     if state.result_codec == PROTO:
         if PROTOBUF_CONTENT_TYPE in request.headers.get("accept", ""):
             return Response(state.result, media_type=PROTOBUF_CONTENT_TYPE)
-        return JSONResponse(_proto_as_json(state.result, request.headers.get("x-tinker-request-type")))
+        return JSONResponse(
+            _proto_as_json(state.result, request.headers.get("x-tinker-request-type"))
+        )
     return Response(state.result, media_type="application/json")
 
 
 @router.post("/retrieve_future", response_model=None)
-async def retrieve_future(body: RetrieveFutureRequest, request: Request, principal: CurrentPrincipal,
-                          state: State) -> Response:
+async def retrieve_future(
+    body: RetrieveFutureRequest, request: Request, principal: CurrentPrincipal, state: State
+) -> Response:
     """Holds the request until the result exists or the long-poll window ends (then `try_again`)."""
     deadline = time.monotonic() + state.settings.long_poll_seconds
     event = state.notifier.subscribe(body.request_id)
@@ -60,9 +65,11 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, princip
                 return _respond(future, request)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return JSONResponse(TryAgainResponse(request_id=body.request_id,
-                                                     queue_state=future.queue_state).model_dump(mode="json",
-                                                                                                 exclude_none=True))
+                return JSONResponse(
+                    TryAgainResponse(
+                        request_id=body.request_id, queue_state=future.queue_state
+                    ).model_dump(mode="json", exclude_none=True)
+                )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, _RECHECK_SECONDS))
             event.clear()
@@ -72,11 +79,12 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, princip
 
 def _read(state: State, tenant_id: str, request_id: str) -> FutureState:
     with state.database.reader() as db:
-        return read_future(db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED)
+        return read_future(
+            db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED
+        )
 
 
 @router.post("/cancel_future")
 def cancel_future(body: CancelFutureRequest, principal: CurrentPrincipal) -> dict[str, str]:
     """Accepted; an operation already queued still runs (its result is simply not fetched)."""
     return {"status": "accepted"}
-

@@ -23,19 +23,25 @@ class TokenizerFilesResponse(BaseModel):
 def _folder(state: State, model: str) -> Path:
     served = state.settings.model_aliases.get(model, model)
     if model not in state.settings.offered_models:
-        raise NotFound(f"base model {model!r} is not served here; use one of {state.settings.offered_models}")
+        raise NotFound(
+            f"base model {model!r} is not served here; use one of {state.settings.offered_models}"
+        )
     try:
         return state.store.open_dir(state.store.uri(tokenizer_key(served)))
     except FileNotFoundError as exc:
-        raise NotFound(f"the tokenizer of {model!r} is not published yet; retry once a worker serving it "
-                       "has started") from exc
+        raise NotFound(
+            f"the tokenizer of {model!r} is not published yet; retry once a worker serving it "
+            "has started"
+        ) from exc
 
 
 @router.get("/models/{model:path}/tokenizer", response_model=TokenizerFilesResponse)
 def tokenizer_files(model: str, _: CurrentPrincipal, state: State) -> TokenizerFilesResponse:
     """The tokenizer's file names; fetch each from `/models/{model}/tokenizer/{file}`."""
     folder = _folder(state, model)
-    return TokenizerFilesResponse(model=model, files=sorted(p.name for p in folder.iterdir() if p.is_file()))
+    return TokenizerFilesResponse(
+        model=model, files=sorted(p.name for p in folder.iterdir() if p.is_file())
+    )
 
 
 @router.get("/models/{model:path}/tokenizer/{filename}", response_model=None)
@@ -43,5 +49,7 @@ def tokenizer_file(model: str, filename: str, _: CurrentPrincipal, state: State)
     folder = _folder(state, model)
     path = folder / filename
     if "/" in filename or not path.is_file():
-        raise NotFound(f"{filename!r} is not a tokenizer file of {model!r}; list them at /models/{model}/tokenizer")
+        raise NotFound(
+            f"{filename!r} is not a tokenizer file of {model!r}; list them at /models/{model}/tokenizer"
+        )
     return FileResponse(path)

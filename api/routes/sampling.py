@@ -25,13 +25,19 @@ router = APIRouter(prefix="/api/v1", tags=["sampling"])
 MAX_NUM_SAMPLES = 128
 
 
-@router.post("/create_sampling_session", response_model=CreateSamplingSessionResponse,
-             response_model_exclude_none=True)
-def create_sampling_session(body: CreateSamplingSessionRequest, principal: CurrentPrincipal,
-                            state: State) -> CreateSamplingSessionResponse:
+@router.post(
+    "/create_sampling_session",
+    response_model=CreateSamplingSessionResponse,
+    response_model_exclude_none=True,
+)
+def create_sampling_session(
+    body: CreateSamplingSessionRequest, principal: CurrentPrincipal, state: State
+) -> CreateSamplingSessionResponse:
     if (body.base_model is None) == (body.model_path is None):
-        raise InvalidInput("pass exactly one of base_model (sample the base model) or model_path (a tinker:// "
-                           "checkpoint to sample from)")
+        raise InvalidInput(
+            "pass exactly one of base_model (sample the base model) or model_path (a tinker:// "
+            "checkpoint to sample from)"
+        )
     with state.database.transaction() as db:
         require_session(db, state, principal, body.session_id)
         version_id, run_id = None, None
@@ -45,40 +51,71 @@ def create_sampling_session(body: CreateSamplingSessionRequest, principal: Curre
             check_base_model(state, body.base_model)
             base_model = body.base_model
         sampler = runs.create_sampling_session(
-            db, state.clock, tenant_id=principal.tenant_id, session_id=body.session_id,
-            seq=body.sampling_session_seq_id, base_model=base_model, model_path=body.model_path,
-            training_run_id=run_id, model_version_id=version_id,
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            session_id=body.session_id,
+            seq=body.sampling_session_seq_id,
+            base_model=base_model,
+            model_path=body.model_path,
+            training_run_id=run_id,
+            model_version_id=version_id,
         )
         return CreateSamplingSessionResponse(sampling_session_id=sampler.id)
 
 
-@router.get("/samplers/{sampler_id:path}", response_model=GetSamplerResponse, response_model_exclude_none=True)
+@router.get(
+    "/samplers/{sampler_id:path}",
+    response_model=GetSamplerResponse,
+    response_model_exclude_none=True,
+)
 def get_sampler(sampler_id: str, principal: CurrentPrincipal, state: State) -> GetSamplerResponse:
     with state.database.reader() as db:
         sampler = runs.get_sampling_session(db, principal.tenant_id, sampler_id)
-        return GetSamplerResponse(sampler_id=sampler.id, base_model=sampler.base_model,
-                                  model_path=sampler.model_path)
+        return GetSamplerResponse(
+            sampler_id=sampler.id, base_model=sampler.base_model, model_path=sampler.model_path
+        )
 
 
 @router.post("/asample", response_model=UntypedAPIFuture, response_model_exclude_none=True)
 def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
     if body.sampling_session_id is None:
-        raise InvalidInput("asample needs a sampling_session_id; create one with create_sampling_session")
+        raise InvalidInput(
+            "asample needs a sampling_session_id; create one with create_sampling_session"
+        )
     if not 1 <= body.num_samples <= MAX_NUM_SAMPLES:
-        raise InvalidInput(f"num_samples {body.num_samples} is outside 1..{MAX_NUM_SAMPLES}; split larger requests")
+        raise InvalidInput(
+            f"num_samples {body.num_samples} is outside 1..{MAX_NUM_SAMPLES}; split larger requests"
+        )
     with state.database.transaction() as db:
         sampler = runs.get_sampling_session(db, principal.tenant_id, body.sampling_session_id)
         require_session(db, state, principal, sampler.session_id)
-        queued = db.scalar(select(func.count()).select_from(Operation).where(
-            Operation.status == QUEUED, Operation.kind == OpKind.SAMPLE.value)) or 0
+        queued = (
+            db.scalar(
+                select(func.count())
+                .select_from(Operation)
+                .where(Operation.status == QUEUED, Operation.kind == OpKind.SAMPLE.value)
+            )
+            or 0
+        )
         if queued >= state.settings.max_queued_samples:
             # Backpressure: the tinker SDK waits and resubmits the same seq_id.
-            raise RateLimited(f"the sampling queue is full ({queued} requests waiting); retry shortly",
-                              retry_after_seconds=1.0)
+            raise RateLimited(
+                f"the sampling queue is full ({queued} requests waiting); retry shortly",
+                retry_after_seconds=1.0,
+            )
         payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
-        submitted = submit(db, state.clock, tenant_id=principal.tenant_id, session_id=sampler.session_id,
-                           target_id=sampler.id, seq_id=body.seq_id, kind=OpKind.SAMPLE, payload=payload,
-                           payload_codec=codec)
+        submitted = submit(
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            session_id=sampler.session_id,
+            target_id=sampler.id,
+            seq_id=body.seq_id,
+            kind=OpKind.SAMPLE,
+            payload=payload,
+            payload_codec=codec,
+        )
     state.dispatcher.wake(sampler.id)
     return UntypedAPIFuture(
         request_id=submitted.request_id,
