@@ -217,6 +217,10 @@ class Engine:
                 except UserInputError as exc:
                     results[i] = OpError("user", str(exc))
                     continue
+                except Exception as exc:  # this op alone fails; its batch-mates still run
+                    log.exception("preparing forward_backward of %s failed", op.run_id)
+                    results[i] = OpError("server", f"{type(exc).__name__}: {exc}")
+                    continue
                 groups.setdefault((p.run.model.name, op.forward_only), []).append((i, p))
             for members in groups.values():
                 try:

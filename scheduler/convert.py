@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from core.errors import InvalidInput
 from gpu_worker import protocol as ep
 from treadle.types import (
     AdamParams,
@@ -23,6 +24,12 @@ from treadle.types import (
     TensorData,
 )
 from treadle.wire import encode_forward_backward_output, encode_sample_response
+
+# A CSR tensor may describe far more entries than it sends; densified, every request stays
+# within this many entries (a 64 MiB dense float32 body holds 16M).
+MAX_DENSE_ENTRIES = 1 << 24
+# The second dimension of a 2-D loss input is a top-K width (distillation targets).
+MAX_TOP_K = 1024
 
 # LoRA scaling is alpha / rank; Treadle fixes alpha so that changing the rank does not rescale
 # the update (the same convention the engine's defaults use).
@@ -50,7 +57,51 @@ def _tokens(model_input: Any, where: str) -> list[int]:
     return tokens
 
 
+def check_shapes(request: ForwardBackwardRequest) -> None:
+    """Refuse loss inputs whose shapes do not fit their datum, before anything densifies them.
+
+    Each loss input is `(N,)` or `(N, K)` with N the datum's token count and 1 ≤ K ≤ MAX_TOP_K;
+    CSR tensors are checked for consistency when they are parsed, and together no request may
+    expand to more than MAX_DENSE_ENTRIES entries.
+    """
+    entries = 0
+    for i, datum in enumerate(request.data):
+        n = len(_tokens(datum.model_input, f"data[{i}].model_input"))
+        for name, tensor in datum.loss_fn_inputs.items():
+            where = f"data[{i}].loss_fn_inputs[{name!r}]"
+            shape = tensor.dense_shape
+            if len(shape) not in (1, 2) or shape[0] != n:
+                raise ep.UserInputError(
+                    f"{where} has shape {_short(shape)} but the datum has N={n} tokens; "
+                    "loss inputs must be (N,) or (N, K), one row per input token"
+                )
+            if len(shape) == 2 and not 1 <= shape[1] <= MAX_TOP_K:
+                raise ep.UserInputError(
+                    f"{where} has shape {_short(shape)}; the second dimension (top-K width) "
+                    f"must lie in [1, {MAX_TOP_K}]"
+                )
+            entries += math.prod(shape)
+    if entries > MAX_DENSE_ENTRIES:
+        raise ep.UserInputError(
+            f"the loss inputs of this request hold {entries} entries in all, more than this "
+            f"server's {MAX_DENSE_ENTRIES}; split the batch into smaller forward_backward requests"
+        )
+
+
+def check_request_shapes(request: ForwardBackwardRequest) -> None:
+    """`check_shapes` for the API, where a refusal is a domain error (400)."""
+    try:
+        check_shapes(request)
+    except ep.UserInputError as exc:
+        raise InvalidInput(str(exc)) from exc
+
+
+def _short(shape: list[int]) -> str:
+    return str(shape) if len(shape) <= 4 else f"{shape[:4]}... ({len(shape)} dimensions)"
+
+
 def datums(request: ForwardBackwardRequest) -> list[ep.Datum]:
+    check_shapes(request)
     out = []
     for i, datum in enumerate(request.data):
         out.append(_datum(datum, f"data[{i}]"))

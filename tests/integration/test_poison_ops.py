@@ -1,0 +1,277 @@
+"""One tenant's poison op never stops another tenant's run.
+
+A poison op is one the engine cannot even lay out (a sparse loss input that would densify to
+2**62 entries), or one whose execution brings the whole engine step down. The API refuses the
+first kind; ops of either kind that reach a worker anyway (logged before a check existed, or
+faulting outside any check) fail alone, while the ops claimed in the same tick run with
+exactly the losses they would have had without it — also across a restart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from core.tables import Operation, TrainingRun
+from scheduler.execute import Executor
+from scheduler.ops import OpKind, encode_proto_payload
+from scheduler.submit import submit_training_op
+from scheduler.task import Task
+from tests.embedded_app import EmbeddedApp, datum, embedded_app
+from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
+from treadle.wire import encode_forward_backward_request
+
+pytestmark = pytest.mark.integration
+
+TOKENS = [(7 * i) % 200 + 10 for i in range(17)]
+N = len(TOKENS) - 1
+
+
+def _bomb(run_id: str, seq_id: int) -> ForwardBackwardRequest:
+    """A 393-byte request whose weights describe a [N, 2**62] sparse tensor."""
+    return ForwardBackwardRequest(
+        model_id=run_id,
+        seq_id=seq_id,
+        loss_fn="cross_entropy",
+        data=[
+            Datum(
+                model_input=ModelInput.from_ints(TOKENS[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": TensorData(data=TOKENS[1:], dtype="int64"),
+                    "weights": TensorData(
+                        data=[],
+                        dtype="float32",
+                        shape=[N, 2**62],
+                        sparse_crow_indices=[0] * (N + 1),
+                        sparse_col_indices=[],
+                    ),
+                },
+            )
+        ],
+    )
+
+
+def _fb(run_id: str, seq_id: int) -> dict[str, Any]:
+    return {
+        "model_id": run_id,
+        "seq_id": seq_id,
+        "data": [datum(TOKENS)],
+        "loss_fn": "cross_entropy",
+    }
+
+
+def _loss(result: dict[str, Any]) -> float:
+    assert "error" not in result, result
+    return float(result["metrics"]["loss:sum"])
+
+
+def _train_step(app: EmbeddedApp, headers: dict[str, str], run_id: str, seq_id: int) -> float:
+    """forward_backward + optim_step at seq_id, seq_id + 1; returns the loss."""
+    loss = _loss(app.result(headers, app.submit(headers, "forward_backward", _fb(run_id, seq_id))))
+    app.op(
+        headers,
+        "optim_step",
+        {"model_id": run_id, "seq_id": seq_id + 1, "adam_params": {"learning_rate": 0.05}},
+    )
+    return loss
+
+
+def _log_together(app: EmbeddedApp, ops: list[tuple[str, int, bytes]]) -> list[str]:
+    """Write forward_backward ops (run, seq, protobuf body) into the op log in one transaction,
+    bypassing the API's checks, so that the engine claims them all in one tick."""
+    ids = []
+    with app.database.transaction() as db:
+        for run_id, seq_id, body in ops:
+            run = db.get(TrainingRun, run_id)
+            assert run is not None
+            payload, codec = encode_proto_payload(body)
+            submitted = submit_training_op(
+                db,
+                app.state.clock,
+                run=run,
+                seq_id=seq_id,
+                kind=OpKind.FORWARD_BACKWARD,
+                payload=payload,
+                payload_codec=codec,
+            )
+            ids.append(submitted.request_id)
+    app.state.dispatcher.wake()
+    return ids
+
+
+def _proto(request: ForwardBackwardRequest) -> bytes:
+    return encode_forward_backward_request(request)
+
+
+def _honest(run_id: str, seq_id: int) -> bytes:
+    return _proto(ForwardBackwardRequest.model_validate(_fb(run_id, seq_id)))
+
+
+def _ops(app: EmbeddedApp) -> dict[str, Operation]:
+    with app.database.reader() as db:
+        return {op.id: op for op in db.scalars(select(Operation))}
+
+
+def test_api_refuses_the_bomb_and_queues_nothing(tmp_path: Path) -> None:
+    with embedded_app(tmp_path) as app:
+        headers = app.tenant()
+        run_id = app.run(headers)
+        before = len(_ops(app))
+        for content_type, body in (
+            ("application/x-protobuf", _proto(_bomb(run_id, 1))),
+            ("application/json", _bomb(run_id, 1).model_dump_json().encode()),
+        ):
+            response = app.client.post(
+                "/api/v1/forward_backward",
+                content=body,
+                headers={**headers, "Content-Type": content_type},
+            )
+            assert response.status_code == 422, response.text
+            message = response.json()["detail"]
+            assert "weights" in message and "[1, 1024]" in message, message
+        assert len(_ops(app)) == before
+        # The run is untouched: seq 1 is still the next op and trains normally.
+        _train_step(app, headers, run_id, 1)
+
+
+@pytest.mark.parametrize(
+    ("weights", "complaint"),
+    [
+        ({"data": [1.0] * (N + 1), "dtype": "float32"}, f"N={N} tokens"),
+        ({"data": [1.0] * N, "dtype": "float32", "shape": [N, 1, 1]}, "(N,) or (N, K)"),
+        ({"data": [], "dtype": "float32", "shape": [N, 0]}, "[1, 1024]"),
+        (
+            {
+                "data": [],
+                "dtype": "float32",
+                "shape": [N, 1 << 20],
+                "sparse_crow_indices": [0] * (N + 1),
+                "sparse_col_indices": [],
+            },
+            "[1, 1024]",
+        ),
+    ],
+)
+def test_api_refuses_loss_inputs_that_do_not_fit_their_datum(
+    tmp_path: Path, weights: dict[str, Any], complaint: str
+) -> None:
+    with embedded_app(tmp_path) as app:
+        headers = app.tenant()
+        run_id = app.run(headers)
+        body = _fb(run_id, 1)
+        body["data"][0]["loss_fn_inputs"]["weights"] = weights
+        response = app.post(headers, "forward_backward", body)
+        assert response.status_code == 422, response.text
+        assert complaint in response.json()["detail"]
+
+
+def test_poison_op_fails_alone_and_its_batch_mates_train_unchanged(tmp_path: Path) -> None:
+    with embedded_app(tmp_path) as app:
+        victim, reference, attacker = app.tenant(), app.tenant(), app.tenant()
+        victim_run, reference_run = app.run(victim, seed=5), app.run(reference, seed=5)
+        attacker_run = app.run(attacker)
+        expected = [_train_step(app, reference, reference_run, seq) for seq in (1, 3)]
+
+        honest, poison = _log_together(
+            app,
+            [
+                (victim_run, 1, _honest(victim_run, 1)),
+                (attacker_run, 1, _proto(_bomb(attacker_run, 1))),
+            ],
+        )
+        failed = app.result(attacker, poison)
+        assert failed["category"] == "user" and "[1, 1024]" in failed["error"], failed
+        assert _loss(app.result(victim, honest)) == pytest.approx(expected[0], rel=1e-5)
+        app.op(
+            victim,
+            "optim_step",
+            {"model_id": victim_run, "seq_id": 2, "adam_params": {"learning_rate": 0.05}},
+        )
+        assert _train_step(app, victim, victim_run, 3) == pytest.approx(expected[1], rel=1e-5)
+        # The attacker's own run goes on too.
+        _train_step(app, attacker, attacker_run, 2)
+
+
+def _crash_on(run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every engine step that holds an op of this run fail as a whole, outside any op's
+    guard (as a fault in the engine or the host would)."""
+    original = Executor.forward_backward
+
+    def forward_backward(self: Executor, tasks: list[Task]) -> Any:
+        if any(task.target_id == run_id for task in tasks):
+            raise RuntimeError("the engine step crashed")
+        return original(self, tasks)
+
+    monkeypatch.setattr(Executor, "forward_backward", forward_backward)
+
+
+def test_a_step_that_fails_as_a_whole_releases_its_ops_and_gives_up_on_the_culprit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with embedded_app(tmp_path) as app:
+        victim, reference, attacker = app.tenant(), app.tenant(), app.tenant()
+        victim_run, reference_run = app.run(victim, seed=5), app.run(reference, seed=5)
+        attacker_run = app.run(attacker)
+        expected = _train_step(app, reference, reference_run, 1)
+
+        _crash_on(attacker_run, monkeypatch)
+        honest, poison = _log_together(
+            app,
+            [(victim_run, 1, _honest(victim_run, 1)), (attacker_run, 1, _honest(attacker_run, 1))],
+        )
+
+        failed = app.result(attacker, poison)
+        assert failed["category"] == "server" and "interrupted 3 times" in failed["error"], failed
+        assert _loss(app.result(victim, honest)) == pytest.approx(expected, rel=1e-5)
+        ops = _ops(app)
+        assert ops[poison].attempts == 3
+        assert ops[honest].attempts == 2  # once with the culprit, then alone
+        assert not [op for op in ops.values() if op.status == "running"]
+        # Both runs go on: the given-up op took its place in the attacker's order.
+        monkeypatch.undo()
+        app.op(
+            victim,
+            "optim_step",
+            {"model_id": victim_run, "seq_id": 2, "adam_params": {"learning_rate": 0.05}},
+        )
+        _train_step(app, attacker, attacker_run, 2)
+
+
+def test_ops_left_running_by_a_crash_are_retried_alone_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with embedded_app(tmp_path) as app:
+        victim, reference, attacker = app.tenant(), app.tenant(), app.tenant()
+        victim_run, reference_run = app.run(victim, seed=5), app.run(reference, seed=5)
+        attacker_run = app.run(attacker)
+        expected = [_train_step(app, reference, reference_run, seq) for seq in (1, 3)]
+        _crash_on(attacker_run, monkeypatch)
+        honest, poison = _log_together(
+            app,
+            [(victim_run, 1, _honest(victim_run, 1)), (attacker_run, 1, _honest(attacker_run, 1))],
+        )
+        app.result(attacker, poison)
+    # As if the process had died while both were claimed in one step: they stay running under
+    # the worker's id, one attempt used.
+    with app.database.transaction() as db:
+        for op in db.scalars(select(Operation).where(Operation.id.in_((honest, poison)))):
+            op.status, op.attempts, op.worker_id = "running", 1, "embedded"
+            op.result = op.error_message = op.error_category = op.finished_at = None
+        for run_id in (victim_run, attacker_run):
+            run = db.get(TrainingRun, run_id)
+            assert run is not None
+            run.executed_seq_id = 0
+
+    with embedded_app(tmp_path) as restarted:  # a new engine, holding no runs
+        assert restarted.result(attacker, poison)["category"] == "server"
+        assert _loss(restarted.result(victim, honest)) == pytest.approx(expected[0], rel=1e-5)
+        restarted.op(
+            victim,
+            "optim_step",
+            {"model_id": victim_run, "seq_id": 2, "adam_params": {"learning_rate": 0.05}},
+        )
+        assert _train_step(restarted, victim, victim_run, 3) == pytest.approx(expected[1], rel=1e-5)
+        assert not [op for op in _ops(restarted).values() if op.status == "running"]
