@@ -74,6 +74,11 @@ class Tenant(Base):
     max_concurrent_sessions: Mapped[int] = mapped_column(Integer)
     max_lora_rank: Mapped[int] = mapped_column(Integer)
     spend_limit_micros: Mapped[int | None] = mapped_column(BigInteger)
+    # Resource limits; NULL means the server's default (core.tenants.DEFAULT_LIMITS).
+    max_training_runs: Mapped[int | None] = mapped_column(Integer)
+    max_lora_parameters: Mapped[int | None] = mapped_column(BigInteger)
+    max_queued_ops: Mapped[int | None] = mapped_column(Integer)
+    max_sampling_requests: Mapped[int | None] = mapped_column(Integer)
     stripe_customer_id: Mapped[str | None] = mapped_column(String(100))
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime]
@@ -116,7 +121,11 @@ class TrainingRun(Base):
     """A LoRA training run (Tinker's "model"); id is `{session_id}:train:{model_seq_id}`."""
 
     __tablename__ = "training_runs"
-    __table_args__ = (UniqueConstraint("session_id", "model_seq_id"),)
+    __table_args__ = (
+        UniqueConstraint("session_id", "model_seq_id"),
+        # The tenant's live runs, counted whenever it creates one.
+        Index("ix_training_runs_tenant_status", "tenant_id", "status"),
+    )
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
@@ -162,6 +171,8 @@ class Operation(Base):
     __table_args__ = (
         UniqueConstraint("target_id", "seq_id"),
         Index("ix_operations_status_target", "status", "target_id"),
+        # The tenant's queued and running ops, counted on every submission.
+        Index("ix_operations_tenant_status", "tenant_id", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the request_id

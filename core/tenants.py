@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
@@ -11,6 +14,57 @@ from core.ids import new_tenant_id
 from core.tables import Tenant
 
 MAX_LORA_RANK_CEILING = 1024
+
+
+@dataclass(frozen=True)
+class ResourceLimits:
+    """What one tenant may hold at once. The scheduler enforces them when work is admitted."""
+
+    max_training_runs: int  # training runs alive (not unloaded, in an open session)
+    max_lora_parameters: int  # LoRA parameters summed over those runs
+    max_queued_ops: int  # operations queued or running
+    max_sampling_requests: int  # sampling requests queued or running
+
+
+# For tenants whose own value is unset (NULL). Far above what one user's training loop
+# needs, yet they bound what a broken or hostile client can pile up: 2e9 LoRA parameters are
+# about 32 GB of fp32 weights, gradients and AdamW moments.
+DEFAULT_LIMITS = ResourceLimits(
+    max_training_runs=64,
+    max_lora_parameters=2_000_000_000,
+    max_queued_ops=10_000,
+    max_sampling_requests=1_024,
+)
+RESOURCE_LIMIT_NAMES = tuple(f.name for f in fields(ResourceLimits))
+# The largest value each column holds (INTEGER, or BIGINT for parameters).
+_LIMIT_CEILINGS = {name: 2**31 - 1 for name in RESOURCE_LIMIT_NAMES} | {
+    "max_lora_parameters": 2**63 - 1
+}
+
+
+def resource_limits(tenant: Tenant) -> ResourceLimits:
+    """The limits in force for `tenant`: its own values, else the server's defaults."""
+    values: dict[str, int] = {}
+    for name in RESOURCE_LIMIT_NAMES:
+        own: int | None = getattr(tenant, name)
+        values[name] = getattr(DEFAULT_LIMITS, name) if own is None else own
+    return ResourceLimits(**values)
+
+
+def _set_resource_limits(tenant: Tenant, changes: Mapping[str, int | None]) -> None:
+    """Apply `changes` (None: back to the server default) after checking every value."""
+    for name, value in changes.items():
+        if name not in RESOURCE_LIMIT_NAMES:
+            raise InvalidInput(
+                f"unknown resource limit {name!r}; use one of {RESOURCE_LIMIT_NAMES}"
+            )
+        if value is not None and not 0 <= value <= _LIMIT_CEILINGS[name]:
+            raise InvalidInput(
+                f"{name} {value} is outside 0..{_LIMIT_CEILINGS[name]}; pass a value in that "
+                "range, or the default"
+            )
+    for name, value in changes.items():
+        setattr(tenant, name, value)
 
 
 def _check_limits(
@@ -36,7 +90,9 @@ def create_tenant(
     max_concurrent_sessions: int,
     max_lora_rank: int,
     spend_limit_micros: int | None = None,
+    limits: Mapping[str, int | None] | None = None,
 ) -> Tenant:
+    """A new tenant; `limits` sets resource limits by name (unset ones follow the defaults)."""
     name = name.strip()
     if not name:
         raise InvalidInput("tenant name is empty; pass a non-empty name")
@@ -51,6 +107,7 @@ def create_tenant(
         spend_limit_micros=spend_limit_micros,
         created_at=clock.now(),
     )
+    _set_resource_limits(tenant, limits or {})
     db.add(tenant)
     db.flush()
     return tenant
@@ -64,7 +121,10 @@ def update_tenant_limits(
     max_lora_rank: int | None = None,
     spend_limit_micros: int | None = None,
     clear_spend_limit: bool = False,
+    limits: Mapping[str, int | None] | None = None,
 ) -> Tenant:
+    """Change the limits given; `limits` maps resource limit names to a value, or to None to
+    follow the server's default again."""
     new_sessions = (
         tenant.max_concurrent_sessions
         if max_concurrent_sessions is None
@@ -77,6 +137,7 @@ def update_tenant_limits(
         else (spend_limit_micros if spend_limit_micros is not None else tenant.spend_limit_micros)
     )
     _check_limits(new_sessions, new_rank, new_spend)
+    _set_resource_limits(tenant, limits or {})
     tenant.max_concurrent_sessions = new_sessions
     tenant.max_lora_rank = new_rank
     tenant.spend_limit_micros = new_spend
@@ -97,3 +158,14 @@ def find_tenant(db: OrmSession, name_or_id: str) -> Tenant:
 
 def list_tenants(db: OrmSession) -> list[Tenant]:
     return list(db.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.name)))
+
+
+def lock_tenant(db: OrmSession, tenant_id: str) -> Tenant:
+    """The tenant's row, locked until the transaction ends, so that checks against its limits
+    run one at a time: a row lock on PostgreSQL (SQLite's write transactions are serialised
+    already). FOR NO KEY UPDATE leaves rows that merely reference the tenant free to be
+    written meanwhile (usage, results), so only the checks wait for each other."""
+    tenant = db.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update(key_share=True))
+    if tenant is None:
+        raise NotFound("tenant not found")
+    return tenant
