@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpu_worker.lora import parameters_per_rank
 from gpu_worker.protocol import ModelInfo, UserInputError
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class Catalog:
                 self.aliases[alias] = entry.name
         self.aliases.update(aliases or {})
         self.cache_dir = Path(cache_dir or os.path.expanduser("~/.cache/treadle/models"))
+        self._lora_sizes: dict[str, dict[str, int]] = {}
 
     @staticmethod
     def hf_folder(name: str, path: str, aliases: tuple[str, ...] = ()) -> ModelEntry:
@@ -167,6 +169,25 @@ class Catalog:
                          vocab_size=int(cfg["vocab_size"]), tokenizer_dir=str(folder),
                          architecture=str(cfg.get("model_type", "")),
                          aliases=self.aliases_of(entry.name))
+
+    def lora_parameters_per_rank(self, name: str) -> dict[str, int]:
+        """LoRA parameters per unit of rank for each trainable part ("attn", "mlp", "unembed"):
+        a rank-r run training some parts holds r times the sum of theirs. Counted on a
+        skeleton of the model on the meta device, so no weights are loaded or allocated."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        entry = self.resolve(name)
+        if entry.name not in self._lora_sizes:
+            if entry.kind == "tiny":
+                cfg = dict(entry.config)
+                config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+            else:
+                folder = Path(entry.path) if entry.kind == "hf_folder" else self._smollm2_folder()
+                config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)
+            self._lora_sizes[entry.name] = parameters_per_rank(skeleton)
+        return dict(self._lora_sizes[entry.name])
 
     def _smollm2_folder(self) -> Path:
         """Convert the GGUF once into a plain HF folder in the cache (0.5 s loads after that)."""

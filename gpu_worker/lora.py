@@ -161,6 +161,20 @@ def adapter_shapes(wrapped: dict[str, MultiLoraLinear], spec: LoraSpec
             if name.rsplit(".", 1)[-1] in chosen}
 
 
+def parameters_per_rank(model: nn.Module) -> dict[str, int]:
+    """LoRA parameters per unit of rank of each part a run may train ("attn", "mlp",
+    "unembed"), for the Linear layers `inject` wraps: a rank-r adapter on a Linear(in, out)
+    holds A (r, in) and B (out, r), r·(in + out) parameters. Works on a meta-device model."""
+    parts = {"attn": 0, "mlp": 0, "unembed": 0}
+    part_of = {name: "attn" for name in ATTN_TARGETS} | {name: "mlp" for name in MLP_TARGETS}
+    part_of[UNEMBED_TARGET] = "unembed"
+    for name, module in model.named_modules():
+        part = part_of.get(name.rsplit(".", 1)[-1])
+        if part is not None and isinstance(module, nn.Linear | MultiLoraLinear):
+            parts[part] += module.in_features + module.out_features
+    return parts
+
+
 def target_module_names(spec: LoraSpec) -> list[str]:
     names: list[str] = []
     if spec.train_attn:
