@@ -20,6 +20,9 @@ from api.dbschema import upgrade
 from api.deps import AppState
 from core.db import Database
 from core.settings import Settings
+from core.tables import TrainingRun
+from scheduler.ops import OpKind, encode_proto_payload
+from scheduler.submit import submit_training_op
 from tests.conftest import make_settings, tenant_factory
 
 MODEL = "treadle/tiny-1m"
@@ -75,6 +78,28 @@ class EmbeddedApp:
         assert "error" not in result, result
         return result
 
+    def log_together(self, ops: list[tuple[str, int, bytes]]) -> list[str]:
+        """Write forward_backward ops (run id, seq id, protobuf body) into the op log in one
+        transaction, bypassing the API's checks, so that one engine tick claims them all."""
+        ids = []
+        with self.database.transaction() as db:
+            for run_id, seq_id, body in ops:
+                run = db.get(TrainingRun, run_id)
+                assert run is not None
+                payload, codec = encode_proto_payload(body)
+                submitted = submit_training_op(
+                    db,
+                    self.state.clock,
+                    run=run,
+                    seq_id=seq_id,
+                    kind=OpKind.FORWARD_BACKWARD,
+                    payload=payload,
+                    payload_codec=codec,
+                )
+                ids.append(submitted.request_id)
+        self.state.dispatcher.wake()
+        return ids
+
     def session(self, headers: dict[str, str]) -> str:
         response = self.post(headers, "create_session", {})
         assert response.status_code == 200, response.text
@@ -97,11 +122,20 @@ class EmbeddedApp:
 
 @contextlib.contextmanager
 def embedded_app(
-    tmp_path: Path, database_url: str | None = None, **overrides: Any
+    tmp_path: Path,
+    database_url: str | None = None,
+    *,
+    raise_server_exceptions: bool = True,
+    **overrides: Any,
 ) -> Iterator[EmbeddedApp]:
-    """An embedded app on a migrated database (SQLite under `tmp_path` unless given)."""
+    """An embedded app on a migrated database (SQLite under `tmp_path` unless given).
+
+    With `raise_server_exceptions=False` a fault in a route answers 500 as in production,
+    instead of raising in the test.
+    """
     url = database_url or f"sqlite:///{tmp_path / 'treadle.db'}"
     upgrade(Database(url))
     settings = make_settings(tmp_path, url, **overrides)
-    with TestClient(create_app(settings)) as client:
+    app = create_app(settings)
+    with TestClient(app, raise_server_exceptions=raise_server_exceptions) as client:
         yield EmbeddedApp(client, settings)

@@ -17,8 +17,6 @@ from sqlalchemy import select
 
 from core.tables import Operation, TrainingRun
 from scheduler.execute import Executor
-from scheduler.ops import OpKind, encode_proto_payload
-from scheduler.submit import submit_training_op
 from scheduler.task import Task
 from tests.embedded_app import EmbeddedApp, datum, embedded_app
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
@@ -77,29 +75,6 @@ def _train_step(app: EmbeddedApp, headers: dict[str, str], run_id: str, seq_id: 
         {"model_id": run_id, "seq_id": seq_id + 1, "adam_params": {"learning_rate": 0.05}},
     )
     return loss
-
-
-def _log_together(app: EmbeddedApp, ops: list[tuple[str, int, bytes]]) -> list[str]:
-    """Write forward_backward ops (run, seq, protobuf body) into the op log in one transaction,
-    bypassing the API's checks, so that the engine claims them all in one tick."""
-    ids = []
-    with app.database.transaction() as db:
-        for run_id, seq_id, body in ops:
-            run = db.get(TrainingRun, run_id)
-            assert run is not None
-            payload, codec = encode_proto_payload(body)
-            submitted = submit_training_op(
-                db,
-                app.state.clock,
-                run=run,
-                seq_id=seq_id,
-                kind=OpKind.FORWARD_BACKWARD,
-                payload=payload,
-                payload_codec=codec,
-            )
-            ids.append(submitted.request_id)
-    app.state.dispatcher.wake()
-    return ids
 
 
 def _proto(request: ForwardBackwardRequest) -> bytes:
@@ -175,8 +150,7 @@ def test_poison_op_fails_alone_and_its_batch_mates_train_unchanged(tmp_path: Pat
         attacker_run = app.run(attacker)
         expected = [_train_step(app, reference, reference_run, seq) for seq in (1, 3)]
 
-        honest, poison = _log_together(
-            app,
+        honest, poison = app.log_together(
             [
                 (victim_run, 1, _honest(victim_run, 1)),
                 (attacker_run, 1, _proto(_bomb(attacker_run, 1))),
@@ -218,8 +192,7 @@ def test_a_step_that_fails_as_a_whole_releases_its_ops_and_gives_up_on_the_culpr
         expected = _train_step(app, reference, reference_run, 1)
 
         _crash_on(attacker_run, monkeypatch)
-        honest, poison = _log_together(
-            app,
+        honest, poison = app.log_together(
             [(victim_run, 1, _honest(victim_run, 1)), (attacker_run, 1, _honest(attacker_run, 1))],
         )
 
@@ -249,8 +222,7 @@ def test_ops_left_running_by_a_crash_are_retried_alone_after_a_restart(
         attacker_run = app.run(attacker)
         expected = [_train_step(app, reference, reference_run, seq) for seq in (1, 3)]
         _crash_on(attacker_run, monkeypatch)
-        honest, poison = _log_together(
-            app,
+        honest, poison = app.log_together(
             [(victim_run, 1, _honest(victim_run, 1)), (attacker_run, 1, _honest(attacker_run, 1))],
         )
         app.result(attacker, poison)
