@@ -10,7 +10,9 @@ from api.deps import AppState
 from core import runs, sessions
 from core.apikeys import Principal
 from core.errors import InvalidInput
+from core.ids import training_run_id
 from core.tables import Tenant, TrainingRun
+from scheduler.admission import admit_training_run
 from scheduler.ops import OpKind, encode_json_payload
 from scheduler.submit import Submitted, submit
 
@@ -74,9 +76,20 @@ def open_run(
     payload: dict[str, Any],
 ) -> tuple[TrainingRun, Submitted]:
     """Create a training run and submit the op that brings it to life (create_model, or a load),
-    as the run's seq 0. A retried creation answers with the same run and request."""
+    as the run's seq 0. A retried creation answers with the same run and request, even when the
+    tenant's limits would refuse a new run now."""
     require_session(db, state, principal, session_id)
     check_rank(db, principal, int(lora_config.get("rank", 32)))
+    admit_training_run(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        run_id=training_run_id(session_id, model_seq_id),
+        base_model=base_model,
+        lora_config=lora_config,
+        model_aliases=state.settings.model_aliases,
+        session_ttl_seconds=state.settings.session_ttl_seconds,
+    )
     run, _ = runs.create_training_run(
         db,
         state.clock,

@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
-from core.errors import InvalidInput, NotFound
+from core.errors import InvalidInput, NotFound, RateLimited
 from core.ids import new_request_id
 from core.tables import Operation, TrainingRun
+from core.tenants import lock_tenant, resource_limits
 from scheduler.ops import OpKind
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
 # unload_model carries no seq_id on the wire: it runs after everything submitted before it,
 # and anything after it arrives too late.
 UNLOAD_SEQ = 1 << 62
+# What a refusal under a queue limit asks clients to wait: queues drain at the engine's pace.
+RETRY_AFTER_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +47,15 @@ def submit(
     kind: OpKind,
     payload: bytes,
     payload_codec: str,
+    next_in_order: bool = False,
 ) -> Submitted:
+    """Queue an op, or answer a resubmission with the original. `next_in_order` marks the op
+    its training run waits for next (see `_admit`)."""
     if seq_id is not None:
         existing = _existing(db, tenant_id, target_id, seq_id, kind)
         if existing is not None:
             return Submitted(existing.id, duplicate=True)
+    _admit(db, tenant_id, kind, next_in_order)
     op = Operation(
         id=new_request_id(),
         tenant_id=tenant_id,
@@ -71,6 +78,47 @@ def submit(
             raise
         return Submitted(existing.id, duplicate=True)
     return Submitted(op.id, duplicate=False)
+
+
+def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) -> None:
+    """Refuse a new op beyond the tenant's queue limits (429: the queue drains by itself, and
+    the SDKs resubmit the same request, which keeps its seq_id). The tenant stays locked until
+    the transaction ends, so concurrent submissions never overshoot a limit.
+
+    Two kinds of op are always admitted. unload_model frees resources. The op a training run
+    waits for next may be what the run's queued ops (arrived out of order) wait for: refusing
+    it could only stall them until their gap is given up. At most one such op per live run is
+    ever beyond the limit.
+    """
+    if kind is OpKind.UNLOAD_MODEL or next_in_order:
+        return
+    tenant = lock_tenant(db, tenant_id)
+    limits = resource_limits(tenant)
+    in_flight = (
+        select(func.count())
+        .select_from(Operation)
+        .where(Operation.tenant_id == tenant_id, Operation.status.in_((QUEUED, RUNNING)))
+    )
+    queued = db.scalar(in_flight) or 0
+    if queued >= limits.max_queued_ops:
+        raise RateLimited(
+            f"operation queue full: tenant {tenant.name!r} allows {limits.max_queued_ops:,} "
+            f"operations queued or running and {queued:,} are; wait for results before "
+            "submitting more (the tinker and treadle SDKs retry this request by themselves), or "
+            "ask the operator to raise max_queued_ops",
+            retry_after_seconds=RETRY_AFTER_SECONDS,
+        )
+    if kind is OpKind.SAMPLE:
+        sampling = db.scalar(in_flight.where(Operation.kind == OpKind.SAMPLE.value)) or 0
+        if sampling >= limits.max_sampling_requests:
+            raise RateLimited(
+                f"sampling limit reached: tenant {tenant.name!r} allows "
+                f"{limits.max_sampling_requests:,} sampling requests queued or running and "
+                f"{sampling:,} are; wait for results before sending more (the tinker and treadle "
+                "SDKs retry this request by themselves), or ask the operator to raise "
+                "max_sampling_requests",
+                retry_after_seconds=RETRY_AFTER_SECONDS,
+            )
 
 
 def _existing(
@@ -119,6 +167,7 @@ def submit_training_op(
         kind=kind,
         payload=payload,
         payload_codec=payload_codec,
+        next_in_order=seq_id == run.executed_seq_id + 1,
     )
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)
