@@ -11,6 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from api.deps import State
+from api.openapi import FILE_RESPONSE, error_responses
 from core import checkpoints, signing
 from core.errors import NotFound
 from core.tables import ModelVersion
@@ -18,7 +19,12 @@ from core.tables import ModelVersion
 router = APIRouter(prefix="/api/v1", tags=["artifacts"])
 
 
-@router.get("/artifacts/{token}/{relpath:path}", response_model=None)
+@router.get(
+    "/artifacts/{token}/{relpath:path}",
+    response_model=None,
+    response_class=FileResponse,
+    responses=FILE_RESPONSE | error_responses(403, 404),
+)
 def download(token: str, relpath: str, state: State) -> FileResponse:
     version_id = signing.verify_download(state.server_secret, token, relpath, state.clock.now())
     gone = NotFound("this checkpoint was deleted or has expired; its download links no longer work")

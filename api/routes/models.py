@@ -9,6 +9,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from api.deps import CurrentPrincipal, State
+from api.openapi import FILE_RESPONSE, error_responses
 from core.errors import NotFound
 from scheduler.models import tokenizer_key
 
@@ -35,7 +36,11 @@ def _folder(state: State, model: str) -> Path:
         ) from exc
 
 
-@router.get("/models/{model:path}/tokenizer", response_model=TokenizerFilesResponse)
+@router.get(
+    "/models/{model:path}/tokenizer",
+    response_model=TokenizerFilesResponse,
+    responses=error_responses(401, 403, 404),
+)
 def tokenizer_files(model: str, _: CurrentPrincipal, state: State) -> TokenizerFilesResponse:
     """The tokenizer's file names; fetch each from `/models/{model}/tokenizer/{file}`."""
     folder = _folder(state, model)
@@ -44,7 +49,12 @@ def tokenizer_files(model: str, _: CurrentPrincipal, state: State) -> TokenizerF
     )
 
 
-@router.get("/models/{model:path}/tokenizer/{filename}", response_model=None)
+@router.get(
+    "/models/{model:path}/tokenizer/{filename}",
+    response_model=None,
+    response_class=FileResponse,
+    responses=FILE_RESPONSE | error_responses(401, 403, 404),
+)
 def tokenizer_file(model: str, filename: str, _: CurrentPrincipal, state: State) -> FileResponse:
     folder = _folder(state, model)
     path = folder / filename

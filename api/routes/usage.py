@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
 from fastapi import APIRouter
+from pydantic import BeforeValidator
 
 from api.deps import CurrentPrincipal, DbSession
+from api.openapi import error_responses
 from billing.ledger import usage_by_model_and_kind
 from core.errors import InvalidInput
 from treadle.types import UsageLine, UsageReport
@@ -14,12 +17,32 @@ from treadle.types import UsageLine, UsageReport
 router = APIRouter(prefix="/api/v1", tags=["usage"])
 
 
-@router.get("/usage", response_model=UsageReport, response_model_exclude_none=True)
+def _iso_only(value: object) -> object:
+    """Pydantic would also read a number as a Unix time; the API promises ISO 8601 times."""
+    if isinstance(value, str):
+        try:
+            datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(
+                "not an ISO 8601 time; send one such as 2026-01-01T00:00:00Z"
+            ) from None
+    return value
+
+
+IsoTime = Annotated[datetime | None, BeforeValidator(_iso_only)]
+
+
+@router.get(
+    "/usage",
+    response_model=UsageReport,
+    response_model_exclude_none=True,
+    responses=error_responses(401, 403, 422),
+)
 def usage(
     principal: CurrentPrincipal,
     db: DbSession,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: IsoTime = None,
+    until: IsoTime = None,
 ) -> UsageReport:
     """Tokens and saves per base model and kind, optionally within [since, until) (ISO times
     with a time zone)."""

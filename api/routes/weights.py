@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
+from api.openapi import OP_ERRORS
 from api.ops import check_base_model, open_run
 from api.routes.training import submit_json_op
 from core import checkpoints
@@ -55,7 +56,12 @@ def _seq_id(seq_id: int | None, endpoint: str) -> int:
     return seq_id
 
 
-@router.post("/save_weights", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+@router.post(
+    "/save_weights",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
+)
 def save_weights(
     body: SaveWeightsRequest, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:
@@ -71,7 +77,10 @@ def save_weights(
 
 
 @router.post(
-    "/save_weights_for_sampler", response_model=UntypedAPIFuture, response_model_exclude_none=True
+    "/save_weights_for_sampler",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
 )
 def save_weights_for_sampler(
     body: SaveWeightsForSamplerRequest, principal: CurrentPrincipal, state: State
@@ -100,7 +109,10 @@ def save_weights_for_sampler(
 
 
 @router.post(
-    "/save_weights_external", response_model=UntypedAPIFuture, response_model_exclude_none=True
+    "/save_weights_external",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
 )
 def save_weights_external(
     body: SaveWeightsExternalRequest, principal: CurrentPrincipal, state: State
@@ -151,7 +163,12 @@ def _load_payload(
     }
 
 
-@router.post("/load_weights", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+@router.post(
+    "/load_weights",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
+)
 def load_weights(
     body: LoadWeightsRequest, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:
