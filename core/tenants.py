@@ -163,9 +163,11 @@ def list_tenants(db: OrmSession) -> list[Tenant]:
 def lock_tenant(db: OrmSession, tenant_id: str) -> Tenant:
     """The tenant's row, locked until the transaction ends, so that checks against its limits
     run one at a time: a row lock on PostgreSQL (SQLite's write transactions are serialised
-    already). FOR NO KEY UPDATE leaves rows that merely reference the tenant free to be
-    written meanwhile (usage, results), so only the checks wait for each other."""
-    tenant = db.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update(key_share=True))
+    already). FOR NO KEY UPDATE, unlike FOR UPDATE, lets rows that reference the tenant be
+    inserted meanwhile (a worker's usage events), so only the checks wait for each other."""
+    locked = select(Tenant).where(Tenant.id == tenant_id).with_for_update(key_share=True)
+    # Values read earlier in the transaction may predate the lock: read them again.
+    tenant = db.scalar(locked.execution_options(populate_existing=True))
     if tenant is None:
         raise NotFound("tenant not found")
     return tenant
