@@ -119,9 +119,13 @@ def cluster(root: Path, postgres_url: str, redis_url: str, **settings: str) -> I
 
 class FailoverProxy:
     """A TCP load balancer for the API tier: each new connection goes to the next backend in
-    rotation that accepts it, so clients keep working when a replica dies."""
+    rotation that accepts it, so clients keep working when a replica dies.
 
-    def __init__(self, backends: list[str]) -> None:
+    With `drop_rate`, each chunk of a response is, with that probability, the last: the proxy
+    cuts the connection there, as a flaky network would (`dropped` counts the cuts).
+    """
+
+    def __init__(self, backends: list[str], drop_rate: float = 0.0, seed: int = 0) -> None:
         import asyncio
         import threading
 
@@ -131,6 +135,9 @@ class FailoverProxy:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._next = 0
+        self.drop_rate = drop_rate
+        self.dropped = 0
+        self._random = random.Random(seed)
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
 
@@ -162,15 +169,21 @@ class FailoverProxy:
             writer.close()
             return
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(
+            src: asyncio.StreamReader, dst: asyncio.StreamWriter, flaky: bool = False
+        ) -> None:
             with contextlib.suppress(Exception):
                 while data := await src.read(65536):
+                    if flaky and self.drop_rate and self._random.random() < self.drop_rate:
+                        self.dropped += 1
+                        up_writer.close()
+                        break
                     dst.write(data)
                     await dst.drain()
             with contextlib.suppress(Exception):
                 dst.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer, flaky=True))
 
     def close(self) -> None:
         import asyncio

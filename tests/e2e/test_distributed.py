@@ -13,7 +13,6 @@ import httpx
 import pytest
 import tinker
 from sqlalchemy import func, select
-from tinker import types
 
 from billing.tables import UsageEvent
 from core.db import Database
@@ -22,12 +21,9 @@ from core.tables import Operation, Session, TrainingRun, Worker
 from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
 from tests.conftest import TenantFactory, tenant_factory
 from tests.e2e.conftest import start_server
-from tests.e2e.test_tinker_training import MODEL, sft_datum
+from tests.scenarios import ADAM, BATCH, MODEL, scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
-
-BATCH = [sft_datum(i, length=16) for i in range(3)]
-ADAM = types.AdamParams(learning_rate=5e-3)
 
 
 @pytest.fixture(scope="module")
@@ -56,41 +52,6 @@ def running(
         database = Database(db_url)
         settings = Settings(database_url=db_url, server_secret=SECRET)
         yield group, database, tenant_factory(database, settings)
-
-
-def scenario(base_url: str, key: str, steps: int, on_step: object = None) -> list[float]:
-    """SFT steps, then an RL step on sampled data, then save and resume with the optimizer."""
-    client = tinker.ServiceClient(base_url=base_url, api_key=key)
-    trainer = client.create_lora_training_client(base_model=MODEL, rank=4, seed=11).result()
-    losses = []
-    for step in range(steps):
-        losses.append(trainer.forward_backward(BATCH, "cross_entropy").result().metrics["loss:sum"])
-        trainer.optim_step(ADAM).result()
-        if callable(on_step):
-            on_step(step, trainer.model_id)
-    sampler = trainer.save_weights_and_get_sampling_client().result()
-    prompt = types.ModelInput.from_ints([15, 16, 17])
-    sample = sampler.sample(
-        prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=4, seed=3)
-    ).result()
-    rl = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints([*prompt.to_ints(), *s.tokens][:-1]),
-            loss_fn_inputs={
-                "target_tokens": [*prompt.to_ints(), *s.tokens][1:],
-                "logprobs": [0.0, 0.0, *(s.logprobs or [])],
-                "advantages": [0.0, 0.0] + [1.0] * len(s.tokens),
-            },
-        )
-        for s in sample.sequences
-    ]
-    losses.append(trainer.forward_backward(rl, "importance_sampling").result().metrics["loss:sum"])
-    trainer.optim_step(ADAM).result()
-    path = trainer.save_state("done").result().path
-    resumed = client.create_training_client_from_state_with_optimizer(path).result()
-    losses.append(resumed.forward(BATCH, "cross_entropy").result().metrics["loss:sum"])
-    client.close("success").result(timeout=60)
-    return losses
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,9 @@ import torch
 from tinker import types
 
 from tests.e2e.conftest import LiveServer, start_server
+from tests.scenarios import MODEL, sft_datum
 
 pytestmark = pytest.mark.e2e
-
-MODEL = "treadle/tiny-1m"
-
-
-def sft_datum(offset: int = 0, length: int = 24) -> types.Datum:
-    tokens = [(7 * i + offset) % 500 + 10 for i in range(length + 1)]
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0] * 4 + [1.0] * (length - 4)},
-    )
 
 
 @pytest.fixture
