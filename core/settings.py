@@ -12,10 +12,11 @@ import enum
 import os
 import secrets
 from pathlib import Path
+from typing import Annotated
 
 import platformdirs
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.errors import ConfigurationError
 
@@ -46,6 +47,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     public_url: str | None = None
+    # Host names the API answers for (`Host` header, without port): exact names, `*.domain`
+    # or `*`. None answers any host. Comma-separated in the environment.
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = None
 
     session_ttl_seconds: float = 300.0
     expiry_sweep_seconds: float = 15.0
@@ -76,12 +80,22 @@ class Settings(BaseSettings):
     worker_lease_seconds: float = 15.0
     # Save each run's full state every this many optimizer steps; recovery replays the rest.
     snapshot_every_steps: int = 10
+    # An op interrupted this many times (failed engine steps, worker crashes) fails for good.
+    max_op_attempts: int = Field(default=3, ge=1)
     max_queued_samples: int = 2048
 
     @property
     def offered_models(self) -> list[str]:
         """Every base-model name a client may ask for: served models and their aliases."""
         return [*self.models, *(a for a in self.model_aliases if a not in self.models)]
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _host_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            names = [name.strip() for name in value.split(",") if name.strip()]
+            return names or None
+        return value
 
     @field_validator("database_url")
     @classmethod

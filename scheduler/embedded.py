@@ -32,6 +32,8 @@ def embedded_dispatcher(
             worker_id="embedded",
             gap_timeout_seconds=settings.gap_timeout_seconds,
             snapshot_every_steps=settings.snapshot_every_steps,
+            max_attempts=settings.max_op_attempts,
+            max_request_bytes=settings.max_request_bytes,
         )
         host.register(settings.models, store)
         return host

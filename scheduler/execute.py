@@ -12,15 +12,17 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.ledger import UsageLine
 from core import checkpoints, runs
 from core.clock import Clock
 from core.db import Database
+from core.errors import NotFound
 from core.ids import sampling_session_id
 from core.objectstore import ArtifactStore
-from core.tables import ModelVersion, TrainingRun
+from core.tables import ModelVersion, SamplingSession, TrainingRun
 from gpu_worker import protocol as ep
 from scheduler import convert
 from scheduler.ops import (
@@ -35,6 +37,7 @@ from scheduler.ops import (
 from scheduler.task import Task
 from treadle.types import (
     CreateModelResponse,
+    ForwardBackwardRequest,
     LoadWeightsResponse,
     OptimStepRequest,
     OptimStepResponse,
@@ -47,7 +50,11 @@ from treadle.types import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
-from treadle.wire import WireFormatError, decode_forward_backward_request
+from treadle.wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    WireFormatError,
+    decode_forward_backward_request,
+)
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -95,21 +102,34 @@ def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
         return Outcome.failed("user", str(exc))
     except Exception as exc:
         log.exception("operation %s (%s) failed", task.id, task.kind)
-        return Outcome.failed(
-            "server",
-            f"{task.kind} failed on the server ({type(exc).__name__}); retry, "
-            "and report it to the operator if it persists",
-        )
+        return _server_failure(task, exc)
+
+
+def _server_failure(task: Task, exc: Exception) -> Outcome:
+    return Outcome.failed(
+        "server",
+        f"{task.kind} failed on the server ({type(exc).__name__}); retry, "
+        "and report it to the operator if it persists",
+    )
 
 
 class Executor:
     def __init__(
-        self, engine: Engine, store: ArtifactStore, database: Database, clock: Clock
+        self,
+        engine: Engine,
+        store: ArtifactStore,
+        database: Database,
+        clock: Clock,
+        *,
+        max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
         self.store = store
         self.database = database
         self.clock = clock
+        # The API refused bodies that expand past this; ops logged before a limit was lowered
+        # are held to it here too, while they are decompressed.
+        self.max_request_bytes = max_request_bytes
 
     # --- forward_backward, batched across runs ------------------------------------------
 
@@ -117,19 +137,16 @@ class Executor:
         outcomes: dict[str, Outcome] = {}
         ops: list[tuple[Task, ep.ForwardBackwardOp]] = []
         for task in tasks:
+            # Each op is prepared under its own guard: whatever one op's payload does, its
+            # batch-mates (other tenants' ops among them) still run.
             try:
-                request = decode_forward_backward_request(
-                    task.payload, content_encoding=_encoding(task)
-                )
-                op = ep.ForwardBackwardOp(
-                    run_id=task.target_id,
-                    data=convert.datums(request),
-                    loss_fn=request.loss_fn,
-                    loss_fn_config=convert.loss_config(request),
-                    forward_only=request.forward_only,
-                )
+                op = self._forward_backward_op(task)
             except (WireFormatError, ep.UserInputError) as exc:
                 outcomes[task.id] = Outcome.failed("user", str(exc))
+                continue
+            except Exception as exc:
+                log.exception("preparing forward_backward %s failed", task.id)
+                outcomes[task.id] = _server_failure(task, exc)
                 continue
             ops.append((task, op))
         if ops:
@@ -155,13 +172,34 @@ class Executor:
                     )
         return outcomes
 
+    def _forward_backward_op(self, task: Task) -> ep.ForwardBackwardOp:
+        request = self._forward_backward_request(task)
+        return ep.ForwardBackwardOp(
+            run_id=task.target_id,
+            data=convert.datums(request),
+            loss_fn=request.loss_fn,
+            loss_fn_config=convert.loss_config(request),
+            forward_only=request.forward_only,
+        )
+
+    def _forward_backward_request(self, task: Task) -> ForwardBackwardRequest:
+        """forward_backward payloads are the protobuf body, stored as `proto+<compression>`."""
+        return decode_forward_backward_request(
+            task.payload,
+            content_encoding=task.payload_codec.partition("+")[2],
+            max_body_bytes=self.max_request_bytes,
+        )
+
     # --- sampling, batched across requests and adapters ---------------------------------
 
     def sample(self, tasks: list[Task]) -> dict[str, Outcome]:
         outcomes: dict[str, Outcome] = {}
         prepared: list[tuple[Task, SampleRequest, ep.SampleRequest]] = []
+        revoked = self._revoked(tasks)
         for task in tasks:
             try:
+                if task.id in revoked:
+                    raise ep.UserInputError(revoked[task.id])
                 wire = SampleRequest.model_validate_json(
                     decode_payload(task.payload, task.payload_codec)
                 )
@@ -195,6 +233,33 @@ class Executor:
                         ),
                     )
         return outcomes
+
+    def _revoked(self, tasks: list[Task]) -> dict[str, str]:
+        """Why each sample on saved weights may no longer run, by task id (one read per batch).
+
+        The API checked access when it accepted the request, but the checkpoint may have been
+        deleted or unpublished since, and weights already loaded here must not outlive that.
+        """
+        on_weights = {t.target_id for t in tasks if t.sampler_version_id is not None}
+        if not on_weights:
+            return {}
+        revoked: dict[str, str] = {}
+        with self.database.reader() as db:
+            rows = db.execute(
+                select(SamplingSession.id, SamplingSession.model_path, ModelVersion)
+                .outerjoin(ModelVersion, ModelVersion.id == SamplingSession.model_version_id)
+                .where(SamplingSession.id.in_(on_weights))
+            ).all()
+            found = {sampler_id: (path, version) for sampler_id, path, version in rows}
+            for task in tasks:
+                if task.target_id not in on_weights:
+                    continue
+                path, version = found.get(task.target_id, (None, None))
+                try:
+                    checkpoints.require_sampleable(version, task.tenant_id, self.clock, path)
+                except NotFound as exc:
+                    revoked[task.id] = exc.message
+        return revoked
 
     def _sampler_run(self, task: Task) -> str | None:
         """The engine run holding the sampler's weights, loaded on first use; None = base model."""
@@ -233,9 +298,7 @@ class Executor:
     def replay(self, task: Task) -> None:
         """Re-apply a recorded op's effect on the engine (recovery); its result is not kept."""
         if task.kind is OpKind.FORWARD_BACKWARD:
-            request = decode_forward_backward_request(
-                task.payload, content_encoding=_encoding(task)
-            )
+            request = self._forward_backward_request(task)
             if not request.forward_only:
                 self.engine.forward_backward(
                     task.target_id,
@@ -449,11 +512,6 @@ class Executor:
                 run.status = runs.UNLOADED
 
         return Outcome.json(UnloadModelResponse(model_id=task.target_id), apply=apply)
-
-
-def _encoding(task: Task) -> str:
-    """forward_backward payloads are the protobuf body, stored as `proto+<compression>`."""
-    return task.payload_codec.partition("+")[2]
 
 
 def _activate(run_id: str) -> Callable[[OrmSession], None]:

@@ -21,12 +21,20 @@ from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import aliased
 
 from billing.ledger import record_usage
+from core import checkpoints
 from core.clock import Clock
 from core.db import Database
 from core.errors import TreadleError
 from core.objectstore import ArtifactStore
 from core.settings import Settings
-from core.tables import Operation, SamplingSession, Session, TrainingRun, Worker
+from core.tables import (
+    ModelVersion,
+    Operation,
+    SamplingSession,
+    Session,
+    TrainingRun,
+    Worker,
+)
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
 from scheduler.execute import Executor, Outcome
@@ -36,6 +44,7 @@ from scheduler.ops import OpKind
 from scheduler.recovery import RestoreImpossible, restore_run
 from scheduler.submit import DONE, FAILED, QUEUED, RUNNING, UNLOAD_SEQ
 from scheduler.task import Task
+from treadle.wire import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,8 @@ class WorkerHost:
         snapshot_every_steps: int = 10,
         owned_only: bool = False,
         lease_seconds: float = 15.0,
+        max_attempts: int = 3,
+        max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.database = database
         self.clock = clock
@@ -101,9 +112,13 @@ class WorkerHost:
         # runs everything.
         self.owned_only = owned_only
         self.lease = timedelta(seconds=lease_seconds)
+        self.max_attempts = max_attempts
         self._lock = threading.Lock()
         self._gaps_checked_at = 0.0
-        self.executor = Executor(engine, store, database, clock)
+        self._unrecorded: dict[str, Task] = {}  # claimed by the current step, not yet recorded
+        self.executor = Executor(
+            engine, store, database, clock, max_request_bytes=max_request_bytes
+        )
 
     # --- start-up -------------------------------------------------------------------------
 
@@ -114,6 +129,8 @@ class WorkerHost:
         serves them to clients (which then never need the Hugging Face hub).
         """
         infos = [self.engine.catalog.info(name) for name in models]
+        # Per unit of LoRA rank, so the API can size a tenant's adapters without torch.
+        lora_sizes = {name: self.engine.catalog.lora_parameters_per_rank(name) for name in models}
         for name in models:
             folder = store.local_dir(tokenizer_key(name))
             for file in self.engine.tokenizer_dir(name).iterdir():
@@ -129,6 +146,7 @@ class WorkerHost:
                     "name": name,
                     "max_context_length": info.max_context_length,
                     "vocab_size": info.vocab_size,
+                    "lora_parameters_per_rank": lora_sizes[name],
                 }
                 for name, info in zip(models, infos, strict=True)
             ]
@@ -169,7 +187,12 @@ class WorkerHost:
         return total
 
     def evict_ended(self) -> list[str]:
-        """Drop runs and samplers whose session ended or that moved away, freeing their memory."""
+        """Drop runs and samplers whose session ended or that moved away, freeing their memory.
+
+        Sampler weights stay only while an open session may still sample them: once their
+        checkpoint is deleted, expired, or unpublished with only other tenants' sessions on it,
+        they go too.
+        """
         held = self.engine.run_ids()
         if not held:
             return []
@@ -190,8 +213,10 @@ class WorkerHost:
                 db.scalars(
                     select(SamplingSession.model_version_id)
                     .join(Session, Session.id == SamplingSession.session_id)
+                    .join(ModelVersion, ModelVersion.id == SamplingSession.model_version_id)
                     .where(
-                        Session.status == "active", SamplingSession.model_version_id.is_not(None)
+                        Session.status == "active",
+                        checkpoints.sampleable_by(SamplingSession.tenant_id, self.clock.now()),
                     )
                 )
             )
@@ -207,10 +232,28 @@ class WorkerHost:
     # --- the loop body --------------------------------------------------------------------
 
     def step(self) -> int:
-        """Execute everything ready now; returns how many operations finished."""
-        tasks = self._claim()
+        """Execute everything ready now; returns how many operations it claimed.
+
+        Every op is executed under its own guard, so one op's failure is that op's alone. A
+        step that still fails as a whole (a fault outside any op's guard) releases what it
+        claimed and had not recorded: each such op is queued again — and then claimed alone,
+        so that it cannot take batch-mates down with it twice — or, once it has been tried
+        `max_attempts` times, failed for good.
+        """
+        if self._unrecorded:
+            self._release()
+        tasks, given_up = self._claim()
         if not tasks:
-            return 0
+            return given_up
+        self._unrecorded = {task.id: task for task in tasks}
+        try:
+            self._execute(tasks)
+        except Exception:
+            log.exception("an engine step failed; releasing its %d operations", len(tasks))
+            self._release()
+        return len(tasks)
+
+    def _execute(self, tasks: list[Task]) -> None:
         outcomes: dict[str, Outcome] = {}
         training = []
         for task in tasks:
@@ -231,7 +274,56 @@ class WorkerHost:
             self._record(task, outcomes[task.id])
             if task.kind is OpKind.OPTIM_STEP and outcomes[task.id].error is None:
                 self._maybe_snapshot(task)
-        return len(tasks)
+
+    def _release(self) -> None:
+        """Queue the claimed but unrecorded ops again, or give up on those tried too often.
+
+        If the database refuses meanwhile, the ops stay claimed and the next step tries again.
+        """
+        tasks = list(self._unrecorded.values())
+        try:
+            with self.database.transaction() as db:
+                for task in tasks:
+                    op = db.get(Operation, task.id)
+                    if op is None or op.status != RUNNING or op.worker_id != self.worker_id:
+                        continue
+                    if op.attempts >= self.max_attempts:
+                        self._give_up(db, op)
+                    else:
+                        op.status = QUEUED
+        except Exception:
+            log.exception("could not release %d operations; retrying at the next step", len(tasks))
+            return
+        self._unrecorded.clear()
+        for task in tasks:
+            self.notifier.publish(task.id)
+
+    def _give_up(self, db: OrmSession, op: Operation) -> None:
+        """Fail an op that was interrupted `max_attempts` times, so that it cannot stop its
+        neighbours (or a restarted worker) again; the run's later ops go on."""
+        log.error(
+            "giving up on operation %s (%s of %s) after %d interrupted attempts",
+            op.id,
+            op.kind,
+            op.target_id,
+            op.attempts,
+        )
+        op.status, op.finished_at, op.error_category = FAILED, self.clock.now(), "server"
+        op.error_message = (
+            f"{op.kind} was interrupted {op.attempts} times while the server executed it, so it "
+            "was given up rather than tried again; check this request's inputs, send the work "
+            "again as a new request, and report it to the operator if it recurs"
+        )
+        self._advance(db, OpKind(op.kind), op.target_id, op.seq_id)
+
+    def _advance(self, db: OrmSession, kind: OpKind, target_id: str, seq_id: int | None) -> None:
+        """A training op finished (either way): its run's next op may run."""
+        if kind is OpKind.SAMPLE or seq_id is None:
+            return
+        run = db.get(TrainingRun, target_id)
+        if run is not None:
+            run.executed_seq_id = max(run.executed_seq_id, seq_id)
+            run.last_request_at = self.clock.now()
 
     def _ensure_loaded(self, task: Task) -> Outcome | None:
         """Restore a run this engine does not hold; a failure outcome if that is impossible."""
@@ -272,12 +364,13 @@ class WorkerHost:
         if previous is not None and previous != uri:
             self.store.delete(previous)
 
-    def _claim(self) -> list[Task]:
+    def _claim(self) -> tuple[list[Task], int]:
+        """Claim what is ready; also returns how many ops it gave up on instead."""
         # Look before taking the write lock: an idle engine must not contend with the API's
         # writes (on SQLite a contended BEGIN IMMEDIATE sleeps in the busy handler).
         with self.database.reader() as db:
             if db.scalar(select(Operation.id).where(Operation.status == QUEUED).limit(1)) is None:
-                return []
+                return [], 0
         now = self.clock.now()
         with self.database.transaction() as db:
             # Gaps are given up after minutes: looking for them once a second is plenty.
@@ -316,6 +409,15 @@ class WorkerHost:
                 .limit(self.max_sample_batch)
             ).all()
             rows.extend((op, base, version) for op, base, version in samples)
+            given_up = [op for op, _, _ in rows if op.attempts >= self.max_attempts]
+            for op in given_up:
+                self._give_up(db, op)
+            rows = [row for row in rows if row[0].attempts < self.max_attempts]
+            # An op that was interrupted before (a failed step, a crash, a restart) runs alone:
+            # if it is what brings the worker down, it takes nobody else with it.
+            retried = [row for row in rows if row[0].attempts > 0]
+            if retried:
+                rows = [min(retried, key=lambda row: row[0].created_at)]
             tasks = []
             for op, base_model, version_id in rows:
                 op.status, op.started_at, op.attempts, op.worker_id = (
@@ -325,7 +427,9 @@ class WorkerHost:
                     self.worker_id,
                 )
                 tasks.append(Task.of(op, base_model, version_id))
-            return tasks
+        for op in given_up:
+            self.notifier.publish(op.id)
+        return tasks, len(given_up)
 
     def _release_gaps(self, db: OrmSession, now: Any) -> None:
         """Skip seq_ids that never arrived, once a later op has waited past the gap timeout."""
@@ -364,6 +468,7 @@ class WorkerHost:
             # The engine work succeeded but its bookkeeping was refused (e.g. a checkpoint name
             # taken meanwhile): report it as the op's error, leaving the rest unchanged.
             self._store(task, Outcome.failed(exc.category, exc.message))
+        self._unrecorded.pop(task.id, None)
         self.notifier.publish(task.id)
 
     def _store(self, task: Task, outcome: Outcome) -> None:
@@ -387,8 +492,4 @@ class WorkerHost:
                     base_model=task.base_model,
                     lines=outcome.usage,
                 )
-            if task.kind is not OpKind.SAMPLE and task.seq_id is not None:
-                run = db.get(TrainingRun, task.target_id)
-                if run is not None:
-                    run.executed_seq_id = max(run.executed_seq_id, task.seq_id)
-                    run.last_request_at = self.clock.now()
+            self._advance(db, task.kind, task.target_id, task.seq_id)

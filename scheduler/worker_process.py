@@ -47,6 +47,8 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
         worker_id=worker_id,
         gap_timeout_seconds=settings.gap_timeout_seconds,
         snapshot_every_steps=settings.snapshot_every_steps,
+        max_attempts=settings.max_op_attempts,
+        max_request_bytes=settings.max_request_bytes,
         owned_only=True,
         lease_seconds=settings.worker_lease_seconds,
     )

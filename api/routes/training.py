@@ -9,10 +9,12 @@ from sqlalchemy.orm import Session as OrmSession
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
+from api.openapi import OP_ERRORS, error_responses, raw_request_body
 from api.ops import active_run, check_base_model, open_run
 from core import runs
-from core.errors import InvalidInput, SessionExpired, TreadleError
+from core.errors import InvalidInput, PayloadTooLarge, SessionExpired, TreadleError
 from core.tables import TrainingRun
+from scheduler.convert import check_request_shapes
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload, refused
 from scheduler.submit import UNLOAD_SEQ, submit_training_op
 from treadle.types import (
@@ -26,6 +28,8 @@ from treadle.types import (
     UntypedAPIFuture,
 )
 from treadle.wire import (
+    PROTOBUF_CONTENT_TYPE,
+    BodyTooLarge,
     WireFormatError,
     decode_forward_backward_request,
     encode_forward_backward_request,
@@ -34,7 +38,12 @@ from treadle.wire import (
 router = APIRouter(prefix="/api/v1", tags=["training"])
 
 
-@router.post("/create_model", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+@router.post(
+    "/create_model",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
+)
 def create_model(
     body: CreateModelRequest, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:
@@ -59,7 +68,12 @@ def create_model(
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
 
 
-@router.post("/get_info", response_model=GetInfoResponse, response_model_exclude_none=True)
+@router.post(
+    "/get_info",
+    response_model=GetInfoResponse,
+    response_model_exclude_none=True,
+    responses=error_responses(401, 403, 404, 413, 422),
+)
 def get_info(body: GetInfoRequest, principal: CurrentPrincipal, state: State) -> GetInfoResponse:
     with state.database.reader() as db:
         run = runs.get_run(db, principal.tenant_id, body.model_id)
@@ -75,14 +89,23 @@ def get_info(body: GetInfoRequest, principal: CurrentPrincipal, state: State) ->
 
 
 def _decode_forward_backward(
-    body: bytes, content_type: str, content_encoding: str | None
+    body: bytes, content_type: str, content_encoding: str | None, max_bytes: int
 ) -> tuple[ForwardBackwardRequest, bytes, str]:
-    """The decoded request, and the payload to store: the protobuf as sent, zstd-compressed."""
+    """The decoded request, and the payload to store: the protobuf as sent, zstd-compressed.
+
+    A compressed body may expand to at most `max_bytes` (the request size limit), checked while
+    it is decompressed. Loss-input shapes are checked against their datums here, so a request
+    the engine could not even lay out is refused before it joins the run's order.
+    """
     try:
         if "json" in content_type:
             request = ForwardBackwardRequest.model_validate_json(body)
+            check_request_shapes(request)
             return request, encode_forward_backward_request(request, compress=True), "proto+zstd"
-        request = decode_forward_backward_request(body, content_encoding)
+        request = decode_forward_backward_request(body, content_encoding, max_body_bytes=max_bytes)
+        check_request_shapes(request)
+    except BodyTooLarge as exc:
+        raise PayloadTooLarge(str(exc)) from exc
     except WireFormatError as exc:
         raise InvalidInput(str(exc)) from exc
     except ValueError as exc:  # pydantic validation of a JSON body
@@ -93,7 +116,18 @@ def _decode_forward_backward(
     return request, payload, codec
 
 
-@router.post("/forward_backward", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+@router.post(
+    "/forward_backward",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
+    openapi_extra=raw_request_body(
+        json_schema=ForwardBackwardRequest,
+        binary_media_types=(PROTOBUF_CONTENT_TYPE,),
+        description="Protobuf (as the tinker SDK sends it; `Content-Encoding: zstd` or `gzip` "
+        "allowed), or JSON for clients without protobuf.",
+    ),
+)
 async def forward_backward(
     request: Request, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:
@@ -104,6 +138,7 @@ async def forward_backward(
         body,
         request.headers.get("content-type", ""),
         request.headers.get("content-encoding"),
+        state.settings.max_request_bytes,
     )
     return await run_in_threadpool(
         _submit_forward_backward, state, principal, decoded, payload, codec
@@ -132,7 +167,12 @@ def _submit_forward_backward(
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=decoded.model_id)
 
 
-@router.post("/optim_step", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+@router.post(
+    "/optim_step",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
+)
 def optim_step(
     body: OptimStepRequest, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:
@@ -151,7 +191,12 @@ def optim_step(
     return submit_json_op(state, principal, body.model_id, body.seq_id, OpKind.OPTIM_STEP, payload)
 
 
-@router.post("/unload_model", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+@router.post(
+    "/unload_model",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
+)
 def unload_model(
     body: UnloadModelRequest, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:

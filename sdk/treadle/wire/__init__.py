@@ -12,6 +12,7 @@ that tensors match the model input, or anything else a server decides.
 from treadle.wire._codec import (
     DEFAULT_MAX_BODY_BYTES,
     PROTOBUF_CONTENT_TYPE,
+    BodyTooLarge,
     WireFormatError,
     decompress_body,
 )
@@ -26,6 +27,7 @@ from treadle.wire.sample import decode_sample_response, encode_sample_response
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "PROTOBUF_CONTENT_TYPE",
+    "BodyTooLarge",
     "WireFormatError",
     "decode_forward_backward_output",
     "decode_forward_backward_request",

@@ -39,6 +39,10 @@ class WireFormatError(ValueError):
     """A protobuf body or message that cannot be decoded; the message says what to send."""
 
 
+class BodyTooLarge(WireFormatError):
+    """A compressed body that expands past the size limit (found while decompressing it)."""
+
+
 def pack(values: Sequence[Any], kind: tuple[str, int, str], what: str) -> bytes:
     """Little-endian bytes of `values` as int32/int64/float32."""
     try:
@@ -178,7 +182,7 @@ def _read_limited(reader: Any, max_bytes: int) -> bytes:
             return b"".join(chunks)
         total += len(chunk)
         if total > max_bytes:
-            raise WireFormatError(
+            raise BodyTooLarge(
                 f"decompressed body exceeds {max_bytes} bytes; split the batch into "
                 "smaller forward_backward requests"
             )
