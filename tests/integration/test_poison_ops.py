@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
 from sqlalchemy import select
 
 from core.tables import Operation, TrainingRun
 from scheduler.execute import Executor
+from scheduler.ops import OpKind
+from scheduler.submit import submit_training_op
 from scheduler.task import Task
 from tests.embedded_app import EmbeddedApp, datum, embedded_app
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
@@ -247,3 +250,51 @@ def test_ops_left_running_by_a_crash_are_retried_alone_after_a_restart(
         )
         assert _train_step(restarted, victim, victim_run, 3) == pytest.approx(expected[1], rel=1e-5)
         assert not [op for op in _ops(restarted).values() if op.status == "running"]
+
+
+def test_a_compression_bomb_is_refused_while_it_expands(tmp_path: Path) -> None:
+    """2 kB of zstd that would expand to 70 MB, past the default 64 MiB limit."""
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\x00" * (70 << 20))
+    assert len(bomb) < 4096
+    with embedded_app(tmp_path) as app:
+        headers = app.tenant()
+        run_id = app.run(headers)
+        before = len(_ops(app))
+        for encoding in ("zstd", None):  # zstd is recognised by its magic number too
+            response = app.client.post(
+                "/api/v1/forward_backward",
+                content=bomb,
+                headers={
+                    **headers,
+                    "Content-Type": "application/x-protobuf",
+                    **({"Content-Encoding": encoding} if encoding else {}),
+                },
+            )
+            assert response.status_code == 413, response.text
+            assert "split the batch" in response.json()["detail"]
+        assert len(_ops(app)) == before
+        _train_step(app, headers, run_id, 1)
+
+
+def test_the_worker_holds_logged_bodies_to_the_request_limit(tmp_path: Path) -> None:
+    """A body logged when the limit was higher expands no further than today's limit."""
+    with embedded_app(tmp_path, max_request_bytes=1 << 20) as app:
+        headers = app.tenant()
+        run_id = app.run(headers)
+        bomb = zstandard.ZstdCompressor().compress(_honest(run_id, 1) + b"\x00" * (2 << 20))
+        with app.database.transaction() as db:
+            run = db.get(TrainingRun, run_id)
+            assert run is not None
+            request_id = submit_training_op(
+                db,
+                app.state.clock,
+                run=run,
+                seq_id=1,
+                kind=OpKind.FORWARD_BACKWARD,
+                payload=bomb,
+                payload_codec="proto+zstd",  # a zstd body is stored as sent
+            ).request_id
+        app.state.dispatcher.wake()
+        failed = app.result(headers, request_id)
+        assert failed["category"] == "user" and "exceeds" in failed["error"], failed
+        _train_step(app, headers, run_id, 2)
