@@ -7,7 +7,7 @@ machine); customers use the HTTP API.
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -18,6 +18,7 @@ from core.clock import SystemClock
 from core.db import Database
 from core.errors import TreadleError
 from core.settings import Mode, Settings
+from core.tables import Tenant
 
 app = typer.Typer(
     help="Treadle server: run it, migrate its database, administer tenants and keys.",
@@ -201,14 +202,74 @@ def _limits_text(value: int | None) -> str:
     return "none" if value is None else f"{value / 1e6:.2f}"
 
 
+def _resource_limit_option(name: str, what: str) -> Any:
+    default = getattr(tenants.DEFAULT_LIMITS, name)
+    return typer.Option(
+        f"--{name.replace('_', '-')}",
+        metavar="N|default",
+        help=f"{what}: a number, or 'default' for the server's ({default:,}).",
+        show_default=False,
+    )
+
+
+MaxTrainingRuns = Annotated[
+    str | None, _resource_limit_option("max_training_runs", "Live training runs allowed")
+]
+MaxLoraParameters = Annotated[
+    str | None,
+    _resource_limit_option("max_lora_parameters", "LoRA parameters allowed across live runs"),
+]
+MaxQueuedOps = Annotated[
+    str | None, _resource_limit_option("max_queued_ops", "Operations queued or running allowed")
+]
+MaxSamplingRequests = Annotated[
+    str | None,
+    _resource_limit_option("max_sampling_requests", "Sampling requests queued or running allowed"),
+]
+
+
+def _resource_limits(**given: str | None) -> dict[str, int | None]:
+    """The resource limits given on the command line: a number, or None for 'default'."""
+    limits: dict[str, int | None] = {}
+    for name, text in given.items():
+        if text is None:
+            continue
+        if text.strip().lower() == "default":
+            limits[name] = None
+            continue
+        try:
+            limits[name] = int(text.replace(",", ""))
+        except ValueError:
+            option = "--" + name.replace("_", "-")
+            raise _fail(f"{option} takes a whole number or 'default', not {text[:40]!r}") from None
+    return limits
+
+
+def _resource_limit_text(tenant: Tenant, name: str) -> str:
+    own: int | None = getattr(tenant, name)
+    if own is None:
+        return f"{getattr(tenants.DEFAULT_LIMITS, name):,} (default)"
+    return f"{own:,}"
+
+
 @tenants_cli.command("create")
 def tenants_create(
     name: str,
     max_sessions: Annotated[int, typer.Option(help="Concurrent sessions allowed.")] = 4,
     max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank allowed.")] = 64,
     spend_limit: Annotated[float | None, typer.Option(help="Spend cap in currency units.")] = None,
+    max_training_runs: MaxTrainingRuns = None,
+    max_lora_parameters: MaxLoraParameters = None,
+    max_queued_ops: MaxQueuedOps = None,
+    max_sampling_requests: MaxSamplingRequests = None,
 ) -> None:
-    """Create a tenant."""
+    """Create a tenant. Resource limits not given follow the server's defaults."""
+    limits = _resource_limits(
+        max_training_runs=max_training_runs,
+        max_lora_parameters=max_lora_parameters,
+        max_queued_ops=max_queued_ops,
+        max_sampling_requests=max_sampling_requests,
+    )
     settings = Settings()
     try:
         with _database(settings).transaction() as db:
@@ -219,6 +280,7 @@ def tenants_create(
                 max_concurrent_sessions=max_sessions,
                 max_lora_rank=max_lora_rank,
                 spend_limit_micros=None if spend_limit is None else round(spend_limit * 1_000_000),
+                limits=limits,
             )
             console.print(f"created tenant [bold]{tenant.name}[/] ({tenant.id})")
     except TreadleError as exc:
@@ -232,8 +294,18 @@ def tenants_update(
     max_lora_rank: Annotated[int | None, typer.Option()] = None,
     spend_limit: Annotated[float | None, typer.Option()] = None,
     no_spend_limit: Annotated[bool, typer.Option(help="Remove the spend cap.")] = False,
+    max_training_runs: MaxTrainingRuns = None,
+    max_lora_parameters: MaxLoraParameters = None,
+    max_queued_ops: MaxQueuedOps = None,
+    max_sampling_requests: MaxSamplingRequests = None,
 ) -> None:
-    """Change a tenant's limits."""
+    """Change a tenant's limits; those not given stay as they are."""
+    limits = _resource_limits(
+        max_training_runs=max_training_runs,
+        max_lora_parameters=max_lora_parameters,
+        max_queued_ops=max_queued_ops,
+        max_sampling_requests=max_sampling_requests,
+    )
     try:
         with _database(Settings()).transaction() as db:
             tenant = tenants.update_tenant_limits(
@@ -243,6 +315,7 @@ def tenants_update(
                 max_lora_rank=max_lora_rank,
                 spend_limit_micros=None if spend_limit is None else round(spend_limit * 1_000_000),
                 clear_spend_limit=no_spend_limit,
+                limits=limits,
             )
             console.print(f"updated tenant [bold]{tenant.name}[/]")
     except TreadleError as exc:
@@ -252,7 +325,18 @@ def tenants_update(
 @tenants_cli.command("list")
 def tenants_list() -> None:
     """List tenants with their limits."""
-    table = Table("id", "name", "max sessions", "max rank", "spend limit", "created")
+    table = Table(
+        "id",
+        "name",
+        "max sessions",
+        "max rank",
+        "spend limit",
+        "max runs",
+        "max LoRA params",
+        "max queued ops",
+        "max sampling",
+        "created",
+    )
     with _database(Settings()).transaction() as db:
         for t in tenants.list_tenants(db):
             table.add_row(
@@ -261,6 +345,7 @@ def tenants_list() -> None:
                 str(t.max_concurrent_sessions),
                 str(t.max_lora_rank),
                 _limits_text(t.spend_limit_micros),
+                *(_resource_limit_text(t, name) for name in tenants.RESOURCE_LIMIT_NAMES),
                 t.created_at.isoformat(timespec="seconds"),
             )
     console.print(table)
