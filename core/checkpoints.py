@@ -12,7 +12,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import ColumnElement, SQLColumnExpression, and_, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
@@ -140,15 +140,21 @@ def resolve(db: OrmSession, clock: Clock, tenant_id: str, path: str) -> ModelVer
     parse_tinker_path(path)
     version = find_by_path(db, path)
     if version is None or (version.tenant_id != tenant_id and not version.public) or _expired(version, clock.now()):
-        raise NotFound(f"checkpoint {path} not found; list yours with RestClient.list_user_checkpoints()")
+        raise _not_found(path)
     return version
+
+
+def _not_found(path: str) -> NotFound:
+    return NotFound(f"checkpoint {path} not found; list yours with RestClient.list_user_checkpoints()")
 
 
 def owned(db: OrmSession, clock: Clock, tenant_id: str, run_id: str, checkpoint_id: str) -> ModelVersion:
     """A checkpoint of the tenant's own run, addressed as in REST paths (`weights/<name>`)."""
-    version = resolve(db, clock, tenant_id, f"tinker://{run_id}/{checkpoint_id}")
+    path = f"tinker://{run_id}/{checkpoint_id}"
+    version = resolve(db, clock, tenant_id, path)
     if version.tenant_id != tenant_id:
-        raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+        # Another tenant's published checkpoint answers exactly like a missing one here.
+        raise _not_found(path)
     return version
 
 
@@ -195,6 +201,42 @@ def mark_deleted(version: ModelVersion) -> str | None:
 def set_public(version: ModelVersion, public: bool) -> None:
     """Published checkpoints can be read (sampled, loaded) by every tenant."""
     version.public = public
+
+
+def require_sampleable(
+    version: ModelVersion | None, tenant_id: str, clock: Clock, model_path: str | None
+) -> ModelVersion:
+    """The weights a sampling session of `tenant_id` samples, if it may still read them.
+
+    Checked on every sample request, not only when the session is created: since then the
+    owner may have deleted or overwritten the checkpoint, or it may have expired (nobody samples
+    it any more), or the owner unpublished it (other tenants' sessions stop; the owner's own keep
+    sampling). `model_path` is the path the session was created from, for the message.
+    """
+    what = f"checkpoint {model_path}" if model_path else "the weights of this sampling session"
+    if version is None or version.status != READY or version.artifact_uri is None:
+        raise NotFound(
+            f"{what} was deleted or overwritten; create a new sampling client from a live "
+            "checkpoint"
+        )
+    if _expired(version, clock.now()):
+        raise NotFound(f"{what} has expired; create a new sampling client from a live checkpoint")
+    if version.tenant_id != tenant_id and not version.public:
+        raise NotFound(
+            f"{what} is no longer published; ask its owner to publish it again, or sample from "
+            "another checkpoint"
+        )
+    return version
+
+
+def sampleable_by(tenant_id: SQLColumnExpression[str], now: datetime) -> ColumnElement[bool]:
+    """`require_sampleable` as a condition on ModelVersion, for the tenant in `tenant_id`."""
+    return and_(
+        ModelVersion.status == READY,
+        ModelVersion.artifact_uri.is_not(None),
+        or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now),
+        or_(ModelVersion.tenant_id == tenant_id, ModelVersion.public.is_(True)),
+    )
 
 
 def set_ttl(version: ModelVersion, clock: Clock, ttl_seconds: int | None) -> None:

@@ -63,6 +63,7 @@ class EmbeddedDispatcher:
         self._ready = threading.Event()
         self._failure: str | None = None
         self._thread: threading.Thread | None = None
+        self._host: WorkerHost | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="treadle-engine", daemon=True)
@@ -84,6 +85,11 @@ class EmbeddedDispatcher:
     def failure(self) -> str | None:
         return self._failure
 
+    @property
+    def host(self) -> WorkerHost | None:
+        """The engine's host once started: what it holds can be inspected in-process."""
+        return self._host
+
     def _run(self) -> None:
         try:
             host = self._host_factory()
@@ -94,6 +100,7 @@ class EmbeddedDispatcher:
             )
             self._ready.set()
             return
+        self._host = host
         self._ready.set()
         last_eviction = time.monotonic()
         while not self._stop.is_set():

@@ -9,7 +9,7 @@ from api.deps import CurrentPrincipal, State
 from api.ops import check_base_model, require_session
 from core import checkpoints, runs
 from core.errors import InvalidInput, RateLimited
-from core.tables import ModelPackage, Operation
+from core.tables import ModelPackage, ModelVersion, Operation
 from scheduler.ops import OpKind, encode_json_payload
 from scheduler.submit import QUEUED, submit
 from treadle.types import (
@@ -90,6 +90,15 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
     with state.database.transaction() as db:
         sampler = runs.get_sampling_session(db, principal.tenant_id, body.sampling_session_id)
         require_session(db, state, principal, sampler.session_id)
+        if sampler.model_version_id is not None:
+            # Access to saved weights can end after the session was created (deleted,
+            # unpublished): refuse here, and the worker checks again before sampling.
+            checkpoints.require_sampleable(
+                db.get(ModelVersion, sampler.model_version_id),
+                principal.tenant_id,
+                state.clock,
+                sampler.model_path,
+            )
         queued = (
             db.scalar(
                 select(func.count())

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 
 from api.app import create_app
 from api.dbschema import upgrade
@@ -20,6 +21,7 @@ class LiveServer:
     base_url: str
     database: Database
     make_tenant: TenantFactory
+    app: FastAPI
 
 
 def start_server(root: Path, **settings_overrides: object) -> Iterator[LiveServer]:
@@ -31,7 +33,7 @@ def start_server(root: Path, **settings_overrides: object) -> Iterator[LiveServe
     database = app.state.treadle.database
     with running_server(app) as base_url:
         assert app.state.treadle.dispatcher.wait_ready(120), "engine did not start"
-        yield LiveServer(base_url, database, tenant_factory(database, settings))
+        yield LiveServer(base_url, database, tenant_factory(database, settings), app)
 
 
 @pytest.fixture(scope="module")

@@ -251,11 +251,12 @@ def test_sampling_client_on_a_deleted_checkpoint_gets_a_user_error(world: World)
     path = trainer.save_weights_for_sampler("short-lived").result().path
     sampler = world.owner.create_sampling_client(model_path=path).result()
     world.rest().delete_checkpoint_from_tinker_path(path).result()
-    with pytest.raises(tinker.RequestFailedError, match="deleted") as failed:
+    # Refused when submitted (404, a user error the SDK does not retry).
+    with pytest.raises(tinker.NotFoundError, match="deleted") as failed:
         sampler.sample(
             types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
         ).result()
-    assert failed.value.category == "user"
+    assert isinstance(failed.value.body, dict) and failed.value.body["category"] == "user"
 
 
 def test_every_endpoint_answers_404_for_foreign_ids(world: World) -> None:
