@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from sqlalchemy import func, select
 
 from api.deps import CurrentPrincipal, State
+from api.openapi import OP_ERRORS, error_responses
 from api.ops import check_base_model, require_session
 from core import checkpoints, runs
 from core.errors import InvalidInput, RateLimited
@@ -29,6 +30,7 @@ MAX_NUM_SAMPLES = 128
     "/create_sampling_session",
     response_model=CreateSamplingSessionResponse,
     response_model_exclude_none=True,
+    responses=error_responses(401, 403, 404, 413, 422),
 )
 def create_sampling_session(
     body: CreateSamplingSessionRequest, principal: CurrentPrincipal, state: State
@@ -68,6 +70,7 @@ def create_sampling_session(
     "/samplers/{sampler_id:path}",
     response_model=GetSamplerResponse,
     response_model_exclude_none=True,
+    responses=error_responses(401, 403, 404),
 )
 def get_sampler(sampler_id: str, principal: CurrentPrincipal, state: State) -> GetSamplerResponse:
     with state.database.reader() as db:
@@ -77,7 +80,12 @@ def get_sampler(sampler_id: str, principal: CurrentPrincipal, state: State) -> G
         )
 
 
-@router.post("/asample", response_model=UntypedAPIFuture, response_model_exclude_none=True)
+@router.post(
+    "/asample",
+    response_model=UntypedAPIFuture,
+    response_model_exclude_none=True,
+    responses=OP_ERRORS,
+)
 def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> UntypedAPIFuture:
     if body.sampling_session_id is None:
         raise InvalidInput(
