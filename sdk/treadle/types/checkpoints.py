@@ -2,15 +2,19 @@
 
 A checkpoint path reads `tinker://{training_run_id}/{kind}/{name}` with kind `weights`
 (checkpoint_type `training`), `sampler_weights` (`sampler`) or `external_weights`
-(`external`); the checkpoint id is `{kind}/{name}`.
+(`external`); the checkpoint id is `{kind}/{name}`. Names are 1-255 characters from letters,
+digits, `.`, `_` and `-`, not starting with `.` (`CheckpointName`), so they sit safely in paths,
+URLs and file names.
 """
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
-from typing import Literal, TypeAlias
+from typing import Annotated, Literal, TypeAlias
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
 from treadle.types._base import WireRequest, WireResponse
 from treadle.types.optimizer import AdamOptimizerConfig, OptimizerConfig
@@ -24,6 +28,43 @@ _KIND_TO_TYPE: dict[str, CheckpointType] = {
     "external_weights": "external",
 }
 _TYPE_TO_KIND: dict[CheckpointType, str] = {v: k for k, v in _KIND_TO_TYPE.items()}
+
+MAX_CHECKPOINT_NAME = 255
+_NAME = re.compile(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_CHECKPOINT_NAME - 1}}}")
+
+
+def checkpoint_name_problem(name: str) -> str | None:
+    """What is wrong with `name` as a checkpoint name, or None when it is fine."""
+    if _NAME.fullmatch(name):
+        return None
+    # Repeat little of a name that may be long or hold control characters.
+    shown = repr(name[:40] + "…" if len(name) > 40 else name)
+    return (
+        f"checkpoint name {shown} is not allowed; use 1-{MAX_CHECKPOINT_NAME} characters from "
+        "letters, digits, '.', '_' and '-', not starting with '.' (e.g. 'step-5' or '000010')"
+    )
+
+
+def _checked_name(name: str) -> str:
+    problem = checkpoint_name_problem(name)
+    if problem is not None:
+        # Through the context, so braces in the name are never read as a template.
+        raise PydanticCustomError("checkpoint_name", "{problem}", {"problem": problem})
+    return name
+
+
+CheckpointName: TypeAlias = Annotated[
+    str,
+    AfterValidator(_checked_name),
+    Field(
+        json_schema_extra={
+            "pattern": f"^{_NAME.pattern}$",
+            "minLength": 1,
+            "maxLength": MAX_CHECKPOINT_NAME,
+        }
+    ),
+]
+"""The name part of a checkpoint path, as save requests carry it."""
 
 
 class CheckpointPath(WireResponse):

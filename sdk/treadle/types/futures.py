@@ -19,6 +19,7 @@ from typing import Annotated, Literal, TypeAlias
 from pydantic import Field
 
 from treadle.types._base import WireRequest, WireResponse
+from treadle.types.bounds import Cursor64
 
 QueueState: TypeAlias = Literal["active", "paused_capacity", "paused_rate_limit"]
 ErrorCategory: TypeAlias = Literal["user", "server", "unknown"]
@@ -61,7 +62,7 @@ class CancelFutureRequest(WireRequest):
 
 class SamplingSessionFuturesTarget(WireRequest):
     sampling_session_id: str
-    cloned_sampler_id: int = 0
+    cloned_sampler_id: Cursor64 = 0
     """`seq_id // 1_000_000_000` of the polling client (0 for the original)."""
     type: Literal["sampling_session"] = "sampling_session"
 
@@ -70,7 +71,7 @@ class RetrieveFuturesRequest(WireRequest):
     """Session-wide poll (`/retrieve_futures`); `timeout` 0 acknowledges without waiting."""
 
     target: SamplingSessionFuturesTarget
-    prev_cursor: int = 0
+    prev_cursor: Cursor64 = 0
     timeout: float | None = None
     retrieved_request_ids: list[str] = Field(default_factory=list)
 

@@ -13,6 +13,7 @@ from typing import Annotated, Literal, TypeAlias
 from pydantic import Field
 
 from treadle.types._base import WireRequest
+from treadle.types.bounds import Beta, Epsilon, LearningRate, NonNegative
 
 
 class AdamOptimizerConfig(WireRequest):
@@ -30,14 +31,18 @@ OptimizerConfig: TypeAlias = Annotated[
 
 
 class AdamParams(WireRequest):
-    """AdamW hyperparameters for one step. Weight decay is decoupled; 0 clip norm is off."""
+    """AdamW hyperparameters for one step. Weight decay is decoupled; 0 clip norm is off.
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    Bounds: learning_rate in [0, 1000], beta1 and beta2 in [0, 1), eps > 0, weight_decay and
+    grad_clip_norm ≥ 0, all finite.
+    """
+
+    learning_rate: LearningRate = 1e-4
+    beta1: Beta = 0.9
+    beta2: Beta = 0.95
+    eps: Epsilon = 1e-12
+    weight_decay: NonNegative = 0.0
+    grad_clip_norm: NonNegative = 0.0
 
 
 class DimuonParams(WireRequest):

@@ -13,6 +13,7 @@ from typing import Literal, TypeAlias
 from pydantic import Field
 
 from treadle.types._base import WireRequest, WireResponse
+from treadle.types.bounds import SamplerSeqId, Seed, SessionCounter, TopkCount
 from treadle.types.model_input import ModelInput
 from treadle.types.tensor import TensorData
 
@@ -28,7 +29,7 @@ TopkEntries: TypeAlias = list[tuple[int, float]]
 
 class CreateSamplingSessionRequest(WireRequest):
     session_id: str
-    sampling_session_seq_id: int
+    sampling_session_seq_id: SessionCounter
     """Per-session counter from 0, shared with ephemeral save_weights_for_sampler."""
     base_model: str | None = None
     model_path: str | None = None
@@ -60,7 +61,7 @@ class JoinSamplingSessionResponse(WireResponse):
 
 class SamplingParams(WireRequest):
     max_tokens: int | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | list[int] | None = None
     """None stops at EOS only; `[]` disables every stop, EOS included."""
     temperature: float = 1.0
@@ -76,10 +77,10 @@ class SampleRequest(WireRequest):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: SamplerSeqId | None = None
     """Unique per sampling client (from 0; clones use clone_id * 1e9 + n): store as int64."""
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
+    topk_prompt_logprobs: TopkCount = 0
     topk_sample_logprobs: int = 0
     target_prompt_logprobs: TensorData | None = None
     """int64 ids `[len(prompt) - 1, K]` whose prompt logprobs to return; -1 asks nothing."""

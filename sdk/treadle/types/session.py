@@ -55,9 +55,10 @@ class ClientDynamicConfigResponse(WireResponse):
 class CreateSessionRequest(WireRequest):
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    # The lengths the server keeps.
+    sdk_version: str | None = Field(default=None, max_length=64)
+    project_id: str | None = Field(default=None, max_length=200)
+    display_name: str | None = Field(default=None, max_length=200)
     type: Literal["create_session"] = "create_session"
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias, get_args
 from pydantic import Field, field_validator, model_validator
 
 from treadle.types._base import WireRequest, WireResponse
+from treadle.types.bounds import Seed, SessionCounter, TrainingSeqId, UnsetTrainingSeqId
 from treadle.types.datum import Datum
 from treadle.types.optimizer import (
     AdamOptimizerConfig,
@@ -44,7 +45,7 @@ METRIC_REDUCTIONS: frozenset[str] = frozenset(
 
 class LoraConfig(WireRequest):
     rank: int
-    seed: int | None = None
+    seed: Seed | None = None
     """Seed for the adapter's initialisation; None lets the server choose."""
     train_unembed: bool = True
     train_mlp: bool = True
@@ -53,7 +54,7 @@ class LoraConfig(WireRequest):
 
 class CreateModelRequest(WireRequest):
     session_id: str
-    model_seq_id: int
+    model_seq_id: SessionCounter
     """Per-session counter from 0, shared with create-via-load; the run id ends with it."""
     base_model: str
     user_metadata: dict[str, Any] | None = None
@@ -108,7 +109,7 @@ class ForwardBackwardRequest(WireRequest):
     """
 
     model_id: str
-    seq_id: int
+    seq_id: UnsetTrainingSeqId
     data: list[Datum]
     loss_fn: str
     loss_fn_config: dict[str, float | str] | None = None
@@ -145,7 +146,7 @@ class OptimStepRequest(WireRequest):
     """One optimizer step: exactly one of `adam_params` (AdamW runs) or `optimizer_params`."""
 
     model_id: str
-    seq_id: int | None = None
+    seq_id: TrainingSeqId | None = None
     adam_params: AdamParams | None = None
     optimizer_params: DimuonParams | None = None
     type: Literal["optim_step"] = "optim_step"

@@ -13,6 +13,8 @@ from typing import Any, Literal, TypeAlias
 from pydantic import model_validator
 
 from treadle.types._base import WireRequest, WireResponse
+from treadle.types.bounds import SessionCounter, TrainingSeqId
+from treadle.types.checkpoints import CheckpointName
 from treadle.types.optimizer import OptimizerConfig
 
 SamplingClientKind: TypeAlias = Literal["snapshot", "inflight"]
@@ -22,9 +24,9 @@ inflight sampler of the run."""
 
 class SaveWeightsRequest(WireRequest):
     model_id: str
-    path: str | None = None
+    path: CheckpointName | None = None
     """Checkpoint name (not a full path)."""
-    seq_id: int | None = None
+    seq_id: TrainingSeqId | None = None
     ttl_seconds: int | None = None
     """1 hour to 10 years; None keeps the checkpoint until deleted."""
     overwrite: bool = False
@@ -42,10 +44,10 @@ class SaveWeightsForSamplerRequest(WireRequest):
     `sampling_session_seq_id` set)."""
 
     model_id: str
-    path: str | None = None
-    sampling_session_seq_id: int | None = None
+    path: CheckpointName | None = None
+    sampling_session_seq_id: SessionCounter | None = None
     kind: SamplingClientKind = "snapshot"
-    seq_id: int | None = None
+    seq_id: TrainingSeqId | None = None
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
@@ -62,9 +64,9 @@ class SaveWeightsForSamplerResponse(WireResponse):
 
 class SaveWeightsExternalRequest(WireRequest):
     model_id: str
-    path: str
+    path: CheckpointName
     """Export name (required)."""
-    seq_id: int | None = None
+    seq_id: TrainingSeqId | None = None
     ttl_seconds: int | None = None
     age_encryption_recipients: list[str] | None = None
     """age recipients (`age1...` or SSH public keys) to encrypt each exported file to."""
@@ -89,9 +91,9 @@ class LoadWeightsRequest(WireRequest):
     """
 
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: TrainingSeqId | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: SessionCounter | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str
@@ -134,7 +136,7 @@ class CopyWeightsRequest(WireRequest):
     source_path: str
     destination_project_id: str | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: SessionCounter | None = None
     ttl_seconds: int | None = None
     weights_access_token: str | None = None
 
