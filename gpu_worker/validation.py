@@ -129,13 +129,23 @@ def check_datums(data: list[Datum], loss_fn: str, vocab_size: int,
     return checked
 
 
+MAX_LEARNING_RATE = 1e3  # as the API's bound (treadle.types.bounds), for ops that skip it
+
+
 def check_adam(params: AdamParams) -> None:
     for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
         value = getattr(params, name)
         if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise UserInputError(f"adam_params.{name} must be a finite number ≥ 0, got {value!r}")
+    if params.learning_rate > MAX_LEARNING_RATE:
+        raise UserInputError(
+            f"adam_params.learning_rate {params.learning_rate:g} exceeds {MAX_LEARNING_RATE:g}; "
+            "pass a learning rate in [0, 1000]"
+        )
     if not (params.beta1 < 1 and params.beta2 < 1):
         raise UserInputError("adam_params beta1 and beta2 must be < 1 (e.g. 0.9 and 0.95)")
+    if params.eps <= 0:
+        raise UserInputError("adam_params.eps must be > 0 (e.g. 1e-12): AdamW divides by it")
 
 
 def check_sampling(params: SamplingParams, prompt_len: int, max_context: int,

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
@@ -100,6 +101,12 @@ def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
         return work()
     except ep.UserInputError as exc:
         return Outcome.failed("user", str(exc))
+    except ValidationError as exc:
+        # A stored request the wire types refuse (queued before their bounds, or written by
+        # other means than the API) is the request's fault, said as the API says it.
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in err["loc"])
+        return Outcome.failed("user", f"invalid {task.kind} request: {where}: {err['msg']}")
     except Exception as exc:
         log.exception("operation %s (%s) failed", task.id, task.kind)
         return _server_failure(task, exc)
