@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session as OrmSession
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound
 from core.tables import ModelPackage, ModelVersion, TrainingRun
+from treadle.types.checkpoints import checkpoint_name_problem
 
 KIND_BY_SEGMENT = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 SEGMENT_BY_KIND = {kind: segment for segment, kind in KIND_BY_SEGMENT.items()}
@@ -44,10 +45,10 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
 
 
 def check_name(name: str) -> str:
-    if not name or "/" in name or name.startswith(".") or len(name) > 200:
-        raise InvalidInput(
-            f"checkpoint name {name!r} is not allowed; use 1-200 characters without '/' and not starting with '.'"
-        )
+    """`name` if it is a valid checkpoint name (see `treadle.types.CheckpointName`)."""
+    problem = checkpoint_name_problem(name)
+    if problem is not None:
+        raise InvalidInput(problem)
     return name
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 from sqlalchemy.orm import Session as OrmSession
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses, raw_request_body
 from api.ops import active_run, check_base_model, open_run
+from api.validation import clip, describe
 from core import runs
 from core.errors import InvalidInput, PayloadTooLarge, SessionExpired, TreadleError
 from core.tables import TrainingRun
@@ -108,8 +110,11 @@ def _decode_forward_backward(
         raise PayloadTooLarge(str(exc)) from exc
     except WireFormatError as exc:
         raise InvalidInput(str(exc)) from exc
-    except ValueError as exc:  # pydantic validation of a JSON body
-        raise InvalidInput(f"invalid forward_backward request: {exc}") from exc
+    except ValidationError as exc:  # pydantic validation of a JSON body
+        # Bounded like every validation error: a body of many bad datums lists a few of them.
+        raise InvalidInput(describe(exc.errors(), "forward_backward request")[0]) from exc
+    except ValueError as exc:
+        raise InvalidInput(f"invalid forward_backward request: {clip(str(exc), 1000)}") from exc
     if content_encoding in ("zstd", "gzip"):
         return request, body, f"proto+{content_encoding}"
     payload, codec = encode_proto_payload(body)
