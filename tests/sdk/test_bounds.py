@@ -124,3 +124,19 @@ def test_non_finite_floats_travel_as_strings_and_come_back_as_floats() -> None:
     values = back.loss_fn_outputs[0]["logprobs"].data
     assert math.isnan(values[0]) and values[1] == -math.inf
     assert back.metrics == {"loss:sum": math.inf}
+
+
+def test_ids_names_and_paths_are_no_longer_than_the_server_makes_them() -> None:
+    assert t.GetInfoRequest(model_id="s" * 36 + ":train:2147483647").model_id.endswith("647")
+    for model, body, field, limit in (
+        (t.GetInfoRequest, {"model_id": "m" * 129}, "model_id", 128),
+        (t.RetrieveFutureRequest, {"request_id": "r" * 129}, "request_id", 128),
+        (
+            t.CreateModelRequest,
+            {"session_id": "s", "model_seq_id": 0, "base_model": "b" * 201},
+            "base_model",
+            200,
+        ),
+        (t.WeightsInfoRequest, {"tinker_path": "t" * 513}, "tinker_path", 512),
+    ):
+        assert _refusal(model, body) == f"{field}: String should have at most {limit} characters"

@@ -38,6 +38,13 @@ MAX_LEARNING_RATE = 1e3
 MAX_OFFSET = 2**31 - 1
 """Largest `offset` of a listing (beyond the last item a page is simply empty)."""
 
+MAX_ID_LENGTH = 128
+"""Session, run, sampler and request ids are the server's own, and never longer."""
+
+MAX_MODEL_NAME_LENGTH = 200
+MAX_PATH_LENGTH = 512
+"""`tinker://` checkpoint paths."""
+
 
 def _int_range(low: int, high: int) -> Callable[[int], int]:
     def check(value: int) -> int:
@@ -136,3 +143,9 @@ Epsilon: TypeAlias = Annotated[
 ]
 
 NonNegative: TypeAlias = Annotated[float, AfterValidator(_float_range(0)), _float_schema(0)]
+
+# Text the server looks up or stores: a value too long to be one of its ids, model names or
+# paths is refused as such, so no answer ever repeats megabytes of it.
+ServerId: TypeAlias = Annotated[str, Field(max_length=MAX_ID_LENGTH)]
+BaseModelName: TypeAlias = Annotated[str, Field(max_length=MAX_MODEL_NAME_LENGTH)]
+CheckpointPathText: TypeAlias = Annotated[str, Field(max_length=MAX_PATH_LENGTH)]

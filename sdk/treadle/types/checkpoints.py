@@ -17,6 +17,7 @@ from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
 from treadle.types._base import WireRequest, WireResponse
+from treadle.types.bounds import CheckpointPathText
 from treadle.types.optimizer import AdamOptimizerConfig, OptimizerConfig
 
 CheckpointType: TypeAlias = Literal["training", "sampler", "external"]
@@ -145,7 +146,7 @@ class TrainingRunsResponse(WireResponse):
 
 
 class WeightsInfoRequest(WireRequest):
-    tinker_path: str
+    tinker_path: CheckpointPathText
 
 
 class WeightsInfoResponse(WireResponse):

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeAlias
 from pydantic import Field
 
 from treadle.types._base import WireRequest, WireResponse
-from treadle.types.bounds import SessionCounter
+from treadle.types.bounds import ServerId, SessionCounter
 
 CustomLossNodeOp: TypeAlias = Literal[
     "placeholder", "get_attr", "call_function", "call_method", "call_module", "output"
@@ -41,7 +41,7 @@ class CustomLossGraph(WireRequest):
 
 
 class CreateCustomLossRequest(WireRequest):
-    session_id: str
+    session_id: ServerId
     custom_loss_seq_id: SessionCounter
     name: str
     inputs: list[CustomLossInput]

@@ -19,7 +19,7 @@ from typing import Annotated, Literal, TypeAlias
 from pydantic import Field
 
 from treadle.types._base import WireRequest, WireResponse
-from treadle.types.bounds import Cursor64
+from treadle.types.bounds import Cursor64, ServerId
 
 QueueState: TypeAlias = Literal["active", "paused_capacity", "paused_rate_limit"]
 ErrorCategory: TypeAlias = Literal["user", "server", "unknown"]
@@ -33,7 +33,7 @@ class UntypedAPIFuture(WireResponse):
 
 
 class RetrieveFutureRequest(WireRequest):
-    request_id: str
+    request_id: ServerId
     allow_metadata_only: bool = False
 
 
@@ -57,11 +57,11 @@ class FutureError(WireResponse):
 
 
 class CancelFutureRequest(WireRequest):
-    request_id: str
+    request_id: ServerId
 
 
 class SamplingSessionFuturesTarget(WireRequest):
-    sampling_session_id: str
+    sampling_session_id: ServerId
     cloned_sampler_id: Cursor64 = 0
     """`seq_id // 1_000_000_000` of the polling client (0 for the original)."""
     type: Literal["sampling_session"] = "sampling_session"

@@ -13,7 +13,15 @@ from typing import Literal, TypeAlias
 from pydantic import Field
 
 from treadle.types._base import WireRequest, WireResponse
-from treadle.types.bounds import SamplerSeqId, Seed, SessionCounter, TopkCount
+from treadle.types.bounds import (
+    BaseModelName,
+    CheckpointPathText,
+    SamplerSeqId,
+    Seed,
+    ServerId,
+    SessionCounter,
+    TopkCount,
+)
 from treadle.types.model_input import ModelInput
 from treadle.types.tensor import TensorData
 
@@ -28,11 +36,11 @@ TopkEntries: TypeAlias = list[tuple[int, float]]
 
 
 class CreateSamplingSessionRequest(WireRequest):
-    session_id: str
+    session_id: ServerId
     sampling_session_seq_id: SessionCounter
     """Per-session counter from 0, shared with ephemeral save_weights_for_sampler."""
-    base_model: str | None = None
-    model_path: str | None = None
+    base_model: BaseModelName | None = None
+    model_path: CheckpointPathText | None = None
     """A `tinker://` sampler checkpoint; None samples the base model."""
     type: Literal["create_sampling_session"] = "create_sampling_session"
 
@@ -49,7 +57,7 @@ class GetSamplerResponse(WireResponse):
 
 
 class JoinSamplingSessionRequest(WireRequest):
-    sampling_session_id: str
+    sampling_session_id: ServerId
     type: Literal["join_sampling_session"] = "join_sampling_session"
 
 
@@ -74,9 +82,9 @@ class SampleRequest(WireRequest):
     num_samples: int = 1
     prompt: ModelInput
     sampling_params: SamplingParams
-    base_model: str | None = None
-    model_path: str | None = None
-    sampling_session_id: str | None = None
+    base_model: BaseModelName | None = None
+    model_path: CheckpointPathText | None = None
+    sampling_session_id: ServerId | None = None
     seq_id: SamplerSeqId | None = None
     """Unique per sampling client (from 0; clones use clone_id * 1e9 + n): store as int64."""
     prompt_logprobs: bool | None = None

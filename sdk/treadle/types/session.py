@@ -5,6 +5,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from treadle.types._base import WireRequest, WireResponse
+from treadle.types.bounds import ServerId
 
 
 class ClientConfigRequest(WireRequest):
@@ -71,7 +72,7 @@ class CreateSessionResponse(WireResponse):
 
 
 class SessionHeartbeatRequest(WireRequest):
-    session_id: str
+    session_id: ServerId
     type: Literal["session_heartbeat"] = "session_heartbeat"
 
 

@@ -15,7 +15,14 @@ from typing import Any, Literal, TypeAlias, get_args
 from pydantic import Field, field_validator, model_validator
 
 from treadle.types._base import WireRequest, WireResponse
-from treadle.types.bounds import Seed, SessionCounter, TrainingSeqId, UnsetTrainingSeqId
+from treadle.types.bounds import (
+    BaseModelName,
+    Seed,
+    ServerId,
+    SessionCounter,
+    TrainingSeqId,
+    UnsetTrainingSeqId,
+)
 from treadle.types.datum import Datum
 from treadle.types.optimizer import (
     AdamOptimizerConfig,
@@ -53,10 +60,10 @@ class LoraConfig(WireRequest):
 
 
 class CreateModelRequest(WireRequest):
-    session_id: str
+    session_id: ServerId
     model_seq_id: SessionCounter
     """Per-session counter from 0, shared with create-via-load; the run id ends with it."""
-    base_model: str
+    base_model: BaseModelName
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=AdamOptimizerConfig)
@@ -69,7 +76,7 @@ class CreateModelResponse(WireResponse):
 
 
 class GetInfoRequest(WireRequest):
-    model_id: str
+    model_id: ServerId
     type: Literal["get_info"] = "get_info"
 
 
@@ -92,7 +99,7 @@ class GetInfoResponse(WireResponse):
 
 
 class UnloadModelRequest(WireRequest):
-    model_id: str
+    model_id: ServerId
     type: Literal["unload_model"] = "unload_model"
 
 
@@ -108,7 +115,7 @@ class ForwardBackwardRequest(WireRequest):
     report an unknown loss through the future; `LOSS_FNS` lists the known names.
     """
 
-    model_id: str
+    model_id: ServerId
     seq_id: UnsetTrainingSeqId
     data: list[Datum]
     loss_fn: str
@@ -145,7 +152,7 @@ class ForwardBackwardOutput(WireResponse):
 class OptimStepRequest(WireRequest):
     """One optimizer step: exactly one of `adam_params` (AdamW runs) or `optimizer_params`."""
 
-    model_id: str
+    model_id: ServerId
     seq_id: TrainingSeqId | None = None
     adam_params: AdamParams | None = None
     optimizer_params: DimuonParams | None = None

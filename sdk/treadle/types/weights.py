@@ -13,7 +13,13 @@ from typing import Any, Literal, TypeAlias
 from pydantic import model_validator
 
 from treadle.types._base import WireRequest, WireResponse
-from treadle.types.bounds import SessionCounter, TrainingSeqId
+from treadle.types.bounds import (
+    BaseModelName,
+    CheckpointPathText,
+    ServerId,
+    SessionCounter,
+    TrainingSeqId,
+)
 from treadle.types.checkpoints import CheckpointName
 from treadle.types.optimizer import OptimizerConfig
 
@@ -23,7 +29,7 @@ inflight sampler of the run."""
 
 
 class SaveWeightsRequest(WireRequest):
-    model_id: str
+    model_id: ServerId
     path: CheckpointName | None = None
     """Checkpoint name (not a full path)."""
     seq_id: TrainingSeqId | None = None
@@ -43,7 +49,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     """Named save (`path` set) or ephemeral save that opens a sampling session (no `path`,
     `sampling_session_seq_id` set)."""
 
-    model_id: str
+    model_id: ServerId
     path: CheckpointName | None = None
     sampling_session_seq_id: SessionCounter | None = None
     kind: SamplingClientKind = "snapshot"
@@ -63,7 +69,7 @@ class SaveWeightsForSamplerResponse(WireResponse):
 
 
 class SaveWeightsExternalRequest(WireRequest):
-    model_id: str
+    model_id: ServerId
     path: CheckpointName
     """Export name (required)."""
     seq_id: TrainingSeqId | None = None
@@ -90,13 +96,13 @@ class LoadWeightsRequest(WireRequest):
     * legacy: `model_id` + `seq_id` load into an existing run as one of its ops.
     """
 
-    model_id: str | None = None
+    model_id: ServerId | None = None
     seq_id: TrainingSeqId | None = None
-    session_id: str | None = None
+    session_id: ServerId | None = None
     model_seq_id: SessionCounter | None = None
-    base_model: str | None = None
+    base_model: BaseModelName | None = None
     user_metadata: dict[str, Any] | None = None
-    path: str
+    path: CheckpointPathText
     optimizer: bool
     """Restore the optimizer state too."""
     optimizer_config: OptimizerConfig | None = None
@@ -133,9 +139,9 @@ class LoadWeightsResponse(WireResponse):
 class CopyWeightsRequest(WireRequest):
     """Copy a checkpoint into a project, or into a new run slot of a session."""
 
-    source_path: str
+    source_path: CheckpointPathText
     destination_project_id: str | None = None
-    session_id: str | None = None
+    session_id: ServerId | None = None
     model_seq_id: SessionCounter | None = None
     ttl_seconds: int | None = None
     weights_access_token: str | None = None
