@@ -7,6 +7,7 @@ machine); customers use the HTTP API.
 from __future__ import annotations
 
 import logging
+import shlex
 from typing import Annotated, Any
 
 import typer
@@ -43,9 +44,10 @@ def _fail(message: str) -> typer.Exit:
 def _database(settings: Settings) -> Database:
     from api import dbschema
 
+    if settings.database_url is None:
+        settings.ensure_data_dir()  # first, so the SQLite file is made private in it
     database = Database(settings.resolved_database_url)
     if settings.database_url is None:
-        settings.ensure_data_dir()
         dbschema.upgrade(database)
     dbschema.require_head(database)
     return database
@@ -60,7 +62,7 @@ def serve(
     import uvicorn
 
     from api.app import create_app
-    from api.bootstrap import ensure_default_key
+    from api.bootstrap import DEFAULT_TENANT, default_key
 
     settings = Settings()
     if host is not None:
@@ -76,15 +78,30 @@ def serve(
     )
     try:
         application = create_app(settings)
-        key = ensure_default_key(settings, application.state.treadle.database, SystemClock())
+        default = default_key(settings, application.state.treadle.database, SystemClock())
     except TreadleError as exc:
         raise _fail(exc.message) from exc
     url = f"http://{settings.host}:{settings.port}"
     console.print(f"[bold]Treadle[/] (embedded mode) listening on [cyan]{url}[/]")
     console.print(f"  data directory: {settings.data_dir}")
-    console.print(f"  API key for tenant 'default': [green]{key}[/]", soft_wrap=True)
+    # The key is shown once, when made: logs of later starts (often kept, shared or shipped
+    # elsewhere) must not hold it.
+    if default.created:
+        console.print(
+            f"  new API key for tenant '{DEFAULT_TENANT}' (shown once, kept in {default.path}): "
+            f"[green]{default.key}[/]",
+            soft_wrap=True,
+        )
+    else:
+        console.print(
+            f"  API key for tenant '{DEFAULT_TENANT}': in {default.path}; "
+            f"`treadle-server admin keys create {DEFAULT_TENANT}` makes another",
+            soft_wrap=True,
+        )
     console.print(
-        f"  try: TINKER_BASE_URL={url} TINKER_API_KEY=<key> python your_loop.py", soft_wrap=True
+        f"  try: TINKER_BASE_URL={url} TINKER_API_KEY=$(cat {shlex.quote(str(default.path))}) "
+        "python your_loop.py",
+        soft_wrap=True,
     )
     uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
 

@@ -6,12 +6,14 @@ The schema is owned by Alembic (`migrations/`); this module never creates tables
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import create_engine, event, inspect
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 _SQLITE_BEGIN = "treadle_sqlite_begin"
@@ -19,6 +21,7 @@ _SQLITE_BEGIN = "treadle_sqlite_begin"
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
     if url.startswith("sqlite"):
+        _create_private(make_url(url).database)
         engine = create_engine(
             url,
             connect_args={"check_same_thread": False, "timeout": 30},
@@ -30,6 +33,17 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     kwargs.setdefault("max_overflow", 40)
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(url, **kwargs)
+
+
+def _create_private(database: str | None) -> None:
+    """Create a SQLite file readable by its owner alone (0600) before SQLite does (0644 under the
+    usual umask): it holds key hashes and every tenant's records. SQLite gives its WAL and
+    shared-memory files the database file's mode."""
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    # A missing folder is left for SQLite to report, as it always has.
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def _configure_sqlite(engine: Engine) -> None:

@@ -34,7 +34,8 @@ class ArtifactStore(Protocol):
 class LocalArtifactStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        # Only the server's own user may read tenants' weights.
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
