@@ -12,7 +12,10 @@ from fastapi import FastAPI
 from api import dbschema
 from api.deps import AppState
 from api.errors import install_error_handlers
+from api.hosts import AllowedHosts
+from api.jsonbody import JsonBodyGuard
 from api.limits import BodySizeLimit
+from api.openapi import install_openapi
 from api.ratelimit import TokenBuckets
 from api.routes import (
     artifacts,
@@ -47,9 +50,10 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     """
     settings = settings or Settings()
     clock = clock or SystemClock()
+    if settings.database_url is None:
+        settings.ensure_data_dir()  # first, so the SQLite file is made private in it
     database = Database(settings.resolved_database_url)
     if settings.database_url is None:
-        settings.ensure_data_dir()
         dbschema.upgrade(database)
     dbschema.require_head(database)
     store = LocalArtifactStore(settings.resolved_artifact_url)
@@ -93,6 +97,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)
     app.state.treadle = state
     install_error_handlers(app)
+    install_openapi(app)
     for module in (
         client,
         sessions,
@@ -107,7 +112,12 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         usage,
     ):
         app.include_router(module.router)
+    # The last added runs first: hosts are checked before a body is read, and the size limit
+    # bounds what the JSON checks buffer.
+    app.add_middleware(JsonBodyGuard)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.allowed_hosts:
+        app.add_middleware(AllowedHosts, patterns=settings.allowed_hosts)
     return app
 
 

@@ -68,6 +68,44 @@ def test_serve_prints_where_it_listens_and_a_working_key(tmp_path: Path) -> None
     assert key_file.read_text().strip() == match.group(0)
 
 
+def _serve_until_listening(tmp_path: Path) -> str:
+    """Start `treadle-server serve`, wait until it listens, stop it; its output."""
+    proc = subprocess.Popen(
+        [CLI, "serve", "--port", str(free_port())],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 90
+        while not any("Uvicorn running on" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    return "".join(lines)
+
+
+def test_serve_shows_the_key_once_and_keeps_its_files_private(tmp_path: Path) -> None:
+    first = _serve_until_listening(tmp_path)
+    key_file = tmp_path / "data" / "default-api-key"
+    key = key_file.read_text().strip()
+    assert key in first
+    again = _serve_until_listening(tmp_path)
+    assert not KEY_RE.search(again), again
+    assert str(key_file) in again and "treadle-server admin keys create default" in again
+    data = tmp_path / "data"
+    for path in (data, data / "artifacts"):
+        assert path.stat().st_mode & 0o777 == 0o700, path
+    for path in (key_file, data / "server-secret", *data.glob("treadle.db*")):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert (data / "treadle.db").exists()
+
+
 def test_admin_commands_manage_tenants_and_keys(tmp_path: Path) -> None:
     assert _run(tmp_path, "migrate").returncode == 0
     created = _run(
