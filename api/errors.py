@@ -8,14 +8,22 @@ which the tinker SDK retries for minutes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match, Route
 
 from core import errors
 
 logger = logging.getLogger(__name__)
+
+# What FastAPI says (as a 400) when a JSON body cannot be decoded at all.
+_UNPARSEABLE_BODY = "There was an error parsing the body"
 
 STATUS_BY_ERROR: dict[type[errors.TreadleError], int] = {
     errors.AuthenticationFailed: 401,
@@ -71,12 +79,61 @@ def install_error_handlers(app: FastAPI) -> None:
             422, "invalid request: " + "; ".join(problems), errors=jsonable(exc.errors())
         )
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """No such path, or a method the path does not take: the same body as every error."""
+        path = request.url.path
+        shown = path if len(path) <= 120 else path[:120] + "…"
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the first route that matched the path; list every method.
+            allowed = allowed_methods(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {shown}; use {' or '.join(allowed)}"
+        elif exc.status_code == 404 and exc.detail == HTTPStatus.NOT_FOUND.phrase:
+            message = f"no endpoint at {shown}; /openapi.json lists the endpoints"
+        elif exc.status_code == 400 and exc.detail == _UNPARSEABLE_BODY:
+            # FastAPI could not even decode a JSON body (not UTF-8): invalid like any bad JSON.
+            cause = str(exc.__cause__ or "undecodable")[:120]
+            return error_response(422, f"the body is not UTF-8 JSON ({cause}); send JSON text")
+        else:
+            message = str(exc.detail)
+        response = error_response(exc.status_code, message)
+        response.headers.update(headers)
+        return response
+
+    @app.exception_handler(DataError)
+    async def _unstorable(request: Request, exc: DataError) -> JSONResponse:
+        # PostgreSQL text cannot hold NUL, so an id or name carrying one is refused as the
+        # client's mistake; the transaction it came in was rolled back whole.
+        if "NUL" in str(exc.orig):
+            return error_response(
+                422,
+                "a text value holds a NUL character (\\u0000), which cannot be stored; remove it",
+            )
+        return await _unexpected(request, exc)
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return error_response(
             500, "internal server error; the operator's logs have the details", "server"
         )
+
+
+def allowed_methods(request: Request, routes: Iterable[BaseRoute] | None = None) -> list[str]:
+    """Every method some route takes at the request's path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes if routes is None else routes:
+        # FastAPI keeps an included router whole (its routes carry the router's prefix).
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            methods.update(allowed_methods(request, included.routes))
+        elif isinstance(route, Route) and route.methods:
+            match, _ = route.matches(request.scope)
+            if match is not Match.NONE:
+                methods |= route.methods
+    return sorted(methods)
 
 
 def jsonable(value: object) -> object:
