@@ -1,8 +1,9 @@
 """Checkpoints of a tenant's training runs: listing, deleting, publishing, TTLs, downloads.
 
 Checkpoint ids are `<weights|sampler_weights|external_weights>/<name>` and appear unencoded in
-paths, so they are routed with a converter matching exactly two segments: a checkpoint named
-`publish` or `ttl` can still be deleted, and suffix routes cannot swallow one another. A foreign
+paths, so a checkpoint is addressed by two path parameters, its kind segment and its name: a
+checkpoint named `publish` or `ttl` can still be deleted, a suffix route is never taken for part
+of an id, and the OpenAPI document describes the paths clients really send. A foreign
 checkpoint answers 404 exactly like a missing one.
 """
 
@@ -12,13 +13,14 @@ import json
 import logging
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import cast
+from typing import Annotated, Literal, cast
 from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
-from starlette.convertors import Convertor, register_url_convertor
+from fastapi import Path as PathParameter
 
 from api.deps import CurrentPrincipal, DbSession, State
+from api.openapi import error_responses
 from core import checkpoints, runs, signing
 from core.clock import Clock
 from core.errors import NotFound
@@ -42,19 +44,14 @@ router = APIRouter(prefix="/api/v1", tags=["checkpoints"])
 DOWNLOAD_URL_SECONDS = 3600
 
 
-class CheckpointIdConvertor(Convertor[str]):
-    regex = "[^/]+/[^/]+"
-
-    def convert(self, value: str) -> str:
-        return value
-
-    def to_string(self, value: str) -> str:
-        return value
-
-
-register_url_convertor("checkpoint_id", CheckpointIdConvertor())
-
-CHECKPOINT = "/training_runs/{run_id}/checkpoints/{checkpoint_id:checkpoint_id}"
+CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
+KindSegment = Annotated[
+    Literal["weights", "sampler_weights", "external_weights"],
+    PathParameter(description="The checkpoint id's first part: what kind of save made it."),
+]
+CheckpointName = Annotated[
+    str, PathParameter(description="The checkpoint id's second part: the name it was saved under.")
+]
 
 
 def string_metadata(metadata: dict[str, object] | None) -> dict[str, str] | None:
@@ -88,7 +85,11 @@ def _listing(
     )
 
 
-@router.get("/checkpoints", response_model=CheckpointsListResponse)
+@router.get(
+    "/checkpoints",
+    response_model=CheckpointsListResponse,
+    responses=error_responses(401, 403, 422),
+)
 def list_user_checkpoints(
     principal: CurrentPrincipal,
     db: DbSession,
@@ -103,7 +104,11 @@ def list_user_checkpoints(
     return _listing(rows, total, limit, offset)
 
 
-@router.get("/training_runs/{run_id}/checkpoints", response_model=CheckpointsListResponse)
+@router.get(
+    "/training_runs/{run_id}/checkpoints",
+    response_model=CheckpointsListResponse,
+    responses=error_responses(401, 403, 404, 422),
+)
 def list_run_checkpoints(
     run_id: str,
     principal: CurrentPrincipal,
@@ -119,47 +124,63 @@ def list_run_checkpoints(
     return _listing(rows, total, limit, offset)
 
 
-@router.post(CHECKPOINT + "/publish", status_code=204)
-def publish(run_id: str, checkpoint_id: str, principal: CurrentPrincipal, state: State) -> None:
+@router.post(
+    CHECKPOINT + "/publish", status_code=204, responses=error_responses(401, 403, 404, 422)
+)
+def publish(
+    run_id: str, kind: KindSegment, name: CheckpointName, principal: CurrentPrincipal, state: State
+) -> None:
     """Make the checkpoint readable (sampling, loading, weights_info) by every tenant."""
     with state.database.transaction() as db:
-        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
         checkpoints.set_public(version, True)
 
 
-@router.delete(CHECKPOINT + "/publish", status_code=204)
-def unpublish(run_id: str, checkpoint_id: str, principal: CurrentPrincipal, state: State) -> None:
+@router.delete(
+    CHECKPOINT + "/publish", status_code=204, responses=error_responses(401, 403, 404, 422)
+)
+def unpublish(
+    run_id: str, kind: KindSegment, name: CheckpointName, principal: CurrentPrincipal, state: State
+) -> None:
     """Make the checkpoint private again; unpublishing a private one changes nothing."""
     with state.database.transaction() as db:
-        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
         checkpoints.set_public(version, False)
 
 
-@router.put(CHECKPOINT + "/ttl", status_code=204)
+@router.put(
+    CHECKPOINT + "/ttl", status_code=204, responses=error_responses(401, 403, 404, 413, 422)
+)
 def set_ttl(
     run_id: str,
-    checkpoint_id: str,
+    kind: KindSegment,
+    name: CheckpointName,
     body: SetCheckpointTtlRequest,
     principal: CurrentPrincipal,
     state: State,
 ) -> None:
     """Expire the checkpoint `ttl_seconds` from now (1 hour to 10 years), or never with null."""
     with state.database.transaction() as db:
-        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
         checkpoints.set_ttl(version, state.clock, body.ttl_seconds)
 
 
-@router.get(CHECKPOINT + "/external_weights_urls", response_model=ExternalWeightsUrlsResponse)
+@router.get(
+    CHECKPOINT + "/external_weights_urls",
+    response_model=ExternalWeightsUrlsResponse,
+    responses=error_responses(401, 403, 404, 422),
+)
 def external_weights_urls(
     run_id: str,
-    checkpoint_id: str,
+    kind: KindSegment,
+    name: CheckpointName,
     request: Request,
     principal: CurrentPrincipal,
     db: DbSession,
     state: State,
 ) -> ExternalWeightsUrlsResponse:
     """A signed URL per file of the checkpoint, fetchable without an API key until `expires`."""
-    version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+    version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
     root = _artifact_root(state, version)
     expires = _download_expiry(version, state.clock)
     base = (state.settings.public_url or str(request.base_url)).rstrip("/")
@@ -171,13 +192,13 @@ def external_weights_urls(
     return ExternalWeightsUrlsResponse(urls=urls, expires=expires)
 
 
-@router.delete(CHECKPOINT, status_code=204)
+@router.delete(CHECKPOINT, status_code=204, responses=error_responses(401, 403, 404, 422))
 def delete_checkpoint(
-    run_id: str, checkpoint_id: str, principal: CurrentPrincipal, state: State
+    run_id: str, kind: KindSegment, name: CheckpointName, principal: CurrentPrincipal, state: State
 ) -> None:
     """Retire the checkpoint (its path is free again) and remove its files."""
     with state.database.transaction() as db:
-        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, checkpoint_id)
+        version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
         uri = checkpoints.mark_deleted(version)
     # Only once the row is committed: a crash in between leaves an orphaned folder, never a
     # live checkpoint without files.
@@ -188,7 +209,11 @@ def delete_checkpoint(
             logger.exception("removing the files of deleted checkpoint %s failed", uri)
 
 
-@router.post("/weights_info", response_model=WeightsInfoResponse)
+@router.post(
+    "/weights_info",
+    response_model=WeightsInfoResponse,
+    responses=error_responses(401, 403, 404, 413, 422),
+)
 def weights_info(
     body: WeightsInfoRequest, principal: CurrentPrincipal, db: DbSession, state: State
 ) -> WeightsInfoResponse:

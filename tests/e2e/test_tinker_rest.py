@@ -302,7 +302,11 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(world: World) -> None:
                 422,
                 "must start with tinker://",
             ),
-            "unknown kind": (http.post(f"{base}/bogus/a/publish"), 422, "malformed"),
+            "unknown kind": (
+                http.post(f"{base}/bogus/a/publish"),
+                422,
+                "'weights', 'sampler_weights' or 'external_weights'",
+            ),
             "ttl too short": (
                 http.put(f"{base}/weights/a/ttl", json={"ttl_seconds": 10}),
                 422,
