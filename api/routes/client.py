@@ -7,6 +7,7 @@ import json
 from fastapi import APIRouter, Request
 
 from api.deps import CurrentPrincipal, State
+from api.openapi import error_responses, raw_request_body
 from core.errors import InvalidInput, PayloadTooLarge
 from scheduler.models import registered_models
 from treadle.types import (
@@ -21,9 +22,21 @@ from treadle.types import (
 
 router = APIRouter(prefix="/api/v1", tags=["client"])
 
+_JSON_KINDS = {
+    list: "a JSON array",
+    str: "a JSON string",
+    bool: "a JSON boolean",
+    int: "a JSON number",
+    float: "a JSON number",
+    type(None): "JSON null",
+}
+
 
 @router.post(
-    "/client/config", response_model=ClientConfigResponse, response_model_exclude_none=True
+    "/client/config",
+    response_model=ClientConfigResponse,
+    response_model_exclude_none=True,
+    responses=error_responses(413, 422),
 )
 def client_config(_: ClientConfigRequest, state: State) -> ClientConfigResponse:
     # Plain httpx keeps one HTTP stack on both sides; everything else keeps the SDK defaults.
@@ -36,12 +49,22 @@ def client_config(_: ClientConfigRequest, state: State) -> ClientConfigResponse:
     "/client/dynamic_config",
     response_model=ClientDynamicConfigResponse,
     response_model_exclude_none=True,
+    responses=error_responses(413, 422),
 )
 def client_dynamic_config(_: ClientConfigRequest) -> ClientDynamicConfigResponse:
     return ClientDynamicConfigResponse()
 
 
-@router.post("/telemetry", response_model=TelemetryResponse)
+@router.post(
+    "/telemetry",
+    response_model=TelemetryResponse,
+    responses=error_responses(401, 403, 413, 422, 429),
+    openapi_extra=raw_request_body(
+        json_schema={"type": "object"},
+        required=False,
+        description="A batch of client telemetry events (the tinker SDK's TelemetrySendRequest).",
+    ),
+)
 async def telemetry(
     request: Request, principal: CurrentPrincipal, state: State
 ) -> TelemetryResponse:
@@ -54,14 +77,21 @@ async def telemetry(
             "send smaller batches"
         )
     try:
-        json.loads(body or b"{}")
+        batch = json.loads(body or b"{}")
     except ValueError as exc:
         raise InvalidInput(f"telemetry body is not JSON ({exc}); send a JSON object") from exc
+    if not isinstance(batch, dict):
+        raise InvalidInput(
+            f"telemetry body is {_JSON_KINDS[type(batch)]}; send a JSON object of events"
+        )
     return TelemetryResponse()
 
 
 @router.get(
-    "/get_server_capabilities", response_model=ServerCapabilities, response_model_exclude_none=True
+    "/get_server_capabilities",
+    response_model=ServerCapabilities,
+    response_model_exclude_none=True,
+    responses=error_responses(401, 403),
 )
 def get_server_capabilities(_: CurrentPrincipal, state: State) -> ServerCapabilities:
     """The offered base models; context lengths once a worker serving them has registered."""

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
+from api.openapi import error_responses
 from core.settings import Mode
 from scheduler.futures import FutureState, read_future
 from scheduler.ops import PROTO
@@ -51,7 +52,21 @@ def _respond(state: FutureState, request: Request) -> Response:
     return Response(state.result, media_type="application/json")
 
 
-@router.post("/retrieve_future", response_model=None)
+@router.post(
+    "/retrieve_future",
+    response_model=None,
+    responses={
+        200: {
+            "description": "The result (JSON, or protobuf when accepted), `try_again`, or the "
+            "operation's error `{error, category}`.",
+            "content": {
+                "application/json": {"schema": {}},
+                PROTOBUF_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            },
+        },
+        **error_responses(401, 403, 404, 413, 422),
+    },
+)
 async def retrieve_future(
     body: RetrieveFutureRequest, request: Request, principal: CurrentPrincipal, state: State
 ) -> Response:
@@ -84,7 +99,7 @@ def _read(state: State, tenant_id: str, request_id: str) -> FutureState:
         )
 
 
-@router.post("/cancel_future")
+@router.post("/cancel_future", responses=error_responses(401, 403, 413, 422))
 def cancel_future(body: CancelFutureRequest, principal: CurrentPrincipal) -> dict[str, str]:
     """Accepted; an operation already queued still runs (its result is simply not fetched)."""
     return {"status": "accepted"}

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Query
 from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, DbSession, State
+from api.openapi import error_responses
 from api.routes.checkpoints import checkpoint_view, string_metadata
 from core import checkpoints, runs
 from core.clock import Clock
@@ -25,7 +26,11 @@ router = APIRouter(prefix="/api/v1", tags=["training runs"])
 AccessScope = Literal["owned", "accessible"]
 
 
-@router.get("/training_runs", response_model=TrainingRunsResponse)
+@router.get(
+    "/training_runs",
+    response_model=TrainingRunsResponse,
+    responses=error_responses(401, 403, 422),
+)
 def list_training_runs(
     principal: CurrentPrincipal,
     db: DbSession,
@@ -43,7 +48,11 @@ def list_training_runs(
     )
 
 
-@router.get("/training_runs/{run_id}", response_model=TrainingRun)
+@router.get(
+    "/training_runs/{run_id}",
+    response_model=TrainingRun,
+    responses=error_responses(401, 403, 404, 422),
+)
 def get_training_run(
     run_id: str,
     principal: CurrentPrincipal,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from api.deps import CurrentPrincipal, DbSession, State
+from api.openapi import error_responses
 from api.routes.checkpoints import string_metadata
 from core import sessions
 from treadle.types import (
@@ -30,7 +31,10 @@ class SessionDetail(GetSessionResponse):
 
 
 @router.post(
-    "/create_session", response_model=CreateSessionResponse, response_model_exclude_none=True
+    "/create_session",
+    response_model=CreateSessionResponse,
+    response_model_exclude_none=True,
+    responses=error_responses(401, 403, 413, 422),
 )
 def create_session(
     body: CreateSessionRequest, principal: CurrentPrincipal, state: State
@@ -50,7 +54,11 @@ def create_session(
     return CreateSessionResponse(session_id=session.id)
 
 
-@router.post("/session_heartbeat", response_model=SessionHeartbeatResponse)
+@router.post(
+    "/session_heartbeat",
+    response_model=SessionHeartbeatResponse,
+    responses=error_responses(401, 403, 404, 410, 413, 422),
+)
 def session_heartbeat(
     body: SessionHeartbeatRequest, principal: CurrentPrincipal, state: State
 ) -> SessionHeartbeatResponse:
@@ -64,7 +72,11 @@ def session_heartbeat(
     return SessionHeartbeatResponse()
 
 
-@router.post("/sessions/{session_id}/finish", response_model=FinishSessionResponse)
+@router.post(
+    "/sessions/{session_id}/finish",
+    response_model=FinishSessionResponse,
+    responses=error_responses(401, 403, 404, 413, 422),
+)
 def finish_session(
     session_id: str, body: FinishSessionRequest, principal: CurrentPrincipal, state: State
 ) -> FinishSessionResponse:
@@ -80,7 +92,11 @@ def finish_session(
     return FinishSessionResponse(session_id=session.id, status=session.status)
 
 
-@router.get("/sessions", response_model=ListSessionsResponse)
+@router.get(
+    "/sessions",
+    response_model=ListSessionsResponse,
+    responses=error_responses(401, 403, 422),
+)
 def list_sessions(
     principal: CurrentPrincipal,
     db: DbSession,
@@ -92,7 +108,11 @@ def list_sessions(
     return ListSessionsResponse(sessions=[row.id for row in rows])
 
 
-@router.get("/sessions/{session_id}", response_model=SessionDetail)
+@router.get(
+    "/sessions/{session_id}",
+    response_model=SessionDetail,
+    responses=error_responses(401, 403, 404),
+)
 def get_session(
     session_id: str,
     principal: CurrentPrincipal,
