@@ -28,13 +28,15 @@ router = APIRouter(prefix="/api/v1", tags=["futures"])
 _RECHECK_SECONDS = 1.0
 
 
-def _proto_as_json(result: bytes, request_type: str | None) -> dict[str, object]:
+def _proto_as_json(result: bytes, request_type: str | None) -> bytes:
+    # Dumped by the wire types, which write NaN and infinities (logprobs often hold them) as
+    # "NaN" / "Infinity" / "-Infinity"; plain JSON encoding has no spelling for them.
     if request_type == "Sample":
-        return decode_sample_response(result).model_dump(mode="json")
+        return decode_sample_response(result).model_dump_json().encode()
     try:
-        return decode_forward_backward_output(result).model_dump(mode="json")
+        return decode_forward_backward_output(result).model_dump_json().encode()
     except ValueError:
-        return decode_sample_response(result).model_dump(mode="json")
+        return decode_sample_response(result).model_dump_json().encode()
 
 
 def _respond(state: FutureState, request: Request) -> Response:
@@ -46,8 +48,9 @@ def _respond(state: FutureState, request: Request) -> Response:
     if state.result_codec == PROTO:
         if PROTOBUF_CONTENT_TYPE in request.headers.get("accept", ""):
             return Response(state.result, media_type=PROTOBUF_CONTENT_TYPE)
-        return JSONResponse(
-            _proto_as_json(state.result, request.headers.get("x-tinker-request-type"))
+        return Response(
+            _proto_as_json(state.result, request.headers.get("x-tinker-request-type")),
+            media_type="application/json",
         )
     return Response(state.result, media_type="application/json")
 
