@@ -18,6 +18,7 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 
+from api.validation import describe
 from core import errors
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{where}: {err.get('msg')}")
-        return error_response(
-            422, "invalid request: " + "; ".join(problems), errors=jsonable(exc.errors())
-        )
+        # Bounded whatever was sent (see api.validation), and never logged: the access log's
+        # one line per request is enough for a client's mistake.
+        message, problems = describe(exc.errors())
+        return error_response(422, message, errors=problems)
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -134,14 +132,3 @@ def allowed_methods(request: Request, routes: Iterable[BaseRoute] | None = None)
             if match is not Match.NONE:
                 methods |= route.methods
     return sorted(methods)
-
-
-def jsonable(value: object) -> object:
-    """Validation errors may carry exceptions in `ctx`; keep only JSON-safe parts."""
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items() if k != "ctx"}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    return str(value)

@@ -35,6 +35,7 @@ from treadle.types import (
     WeightsInfoRequest,
     WeightsInfoResponse,
 )
+from treadle.types.bounds import MAX_OFFSET
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def list_user_checkpoints(
     db: DbSession,
     state: State,
     limit: int = Query(100, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
 ) -> CheckpointsListResponse:
     """The caller's live checkpoints across all its runs, newest first."""
     rows, total = checkpoints.list_checkpoints(
@@ -115,7 +116,7 @@ def list_run_checkpoints(
     db: DbSession,
     state: State,
     limit: int = Query(1000, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
 ) -> CheckpointsListResponse:
     runs.get_run(db, principal.tenant_id, run_id)
     rows, total = checkpoints.list_checkpoints(

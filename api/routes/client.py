@@ -7,6 +7,7 @@ import json
 from fastapi import APIRouter, Request
 
 from api.deps import CurrentPrincipal, State
+from api.jsonbody import MAX_JSON_DEPTH, nesting_exceeds
 from api.openapi import error_responses, raw_request_body
 from core.errors import InvalidInput, PayloadTooLarge
 from scheduler.models import registered_models
@@ -75,6 +76,10 @@ async def telemetry(
         raise PayloadTooLarge(
             f"telemetry batch of {len(body)} bytes exceeds {state.settings.telemetry_max_bytes}; "
             "send smaller batches"
+        )
+    if nesting_exceeds(body):  # this route reads any content type, not only JSON
+        raise InvalidInput(
+            f"telemetry body nests more than {MAX_JSON_DEPTH} levels deep; send flatter events"
         )
     try:
         batch = json.loads(body or b"{}")

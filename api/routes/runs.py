@@ -20,6 +20,7 @@ from core.clock import Clock
 from core.errors import NotFound
 from core.tables import TrainingRun as RunRow
 from treadle.types import Checkpoint, Cursor, TrainingRun, TrainingRunsResponse
+from treadle.types.bounds import MAX_OFFSET
 
 router = APIRouter(prefix="/api/v1", tags=["training runs"])
 
@@ -36,7 +37,7 @@ def list_training_runs(
     db: DbSession,
     state: State,
     limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
     access_scope: AccessScope = "owned",
     project_id: str | None = None,
 ) -> TrainingRunsResponse:

@@ -18,6 +18,7 @@ from treadle.types import (
     SessionHeartbeatRequest,
     SessionHeartbeatResponse,
 )
+from treadle.types.bounds import MAX_OFFSET
 
 router = APIRouter(prefix="/api/v1", tags=["sessions"])
 
@@ -101,7 +102,7 @@ def list_sessions(
     principal: CurrentPrincipal,
     db: DbSession,
     limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
     access_scope: str | None = None,
 ) -> ListSessionsResponse:
     rows = sessions.list_sessions(db, tenant_id=principal.tenant_id, limit=limit, offset=offset)
