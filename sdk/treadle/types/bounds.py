@@ -1,10 +1,11 @@
-"""The ranges of the numbers the protocol carries, shared by every wire type.
+"""The ranges of the numbers, and the lengths of the ids and names, the protocol carries,
+shared by every wire type.
 
 Each range keeps a value inside what the server can store and execute (64-bit and 32-bit
 columns, torch seeds) and away from the server's internal markers, so a request outside one is
 refused with a 422 that names the field and its range instead of failing later. The treadle
 client validates with the same types, so its callers hear about a bad value before anything is
-sent. The OpenAPI schema shows each range as `minimum` / `maximum`.
+sent. The OpenAPI schema shows each range as `minimum` / `maximum` (`maxLength` for text).
 """
 
 from __future__ import annotations
