@@ -15,9 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 
+from api.refusals import ORDERED_ROUTES, keep_place
 from api.validation import describe
 from core import errors
 
@@ -71,10 +73,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Bounded whatever was sent (see api.validation), and never logged: the access log's
         # one line per request is enough for a client's mistake.
         message, problems = describe(exc.errors())
+        if request.url.path in ORDERED_ROUTES:
+            await run_in_threadpool(
+                keep_place,
+                request.app.state.treadle,
+                request.url.path,
+                request.headers.get("x-api-key"),
+                exc.body,
+                message,
+            )
         return error_response(422, message, errors=problems)
 
     @app.exception_handler(StarletteHTTPException)

@@ -180,6 +180,10 @@ class Executor:
         return outcomes
 
     def _forward_backward_op(self, task: Task) -> ep.ForwardBackwardOp:
+        if task.payload_codec == JSON_ZSTD:  # refused at submission; it fails in its place
+            raise ep.UserInputError(
+                str(decode_json_payload(task.payload, task.payload_codec)[REFUSED])
+            )
         request = self._forward_backward_request(task)
         return ep.ForwardBackwardOp(
             run_id=task.target_id,

@@ -96,16 +96,13 @@ def _decode_forward_backward(
     """The decoded request, and the payload to store: the protobuf as sent, zstd-compressed.
 
     A compressed body may expand to at most `max_bytes` (the request size limit), checked while
-    it is decompressed. Loss-input shapes are checked against their datums here, so a request
-    the engine could not even lay out is refused before it joins the run's order.
+    it is decompressed.
     """
     try:
         if "json" in content_type:
             request = ForwardBackwardRequest.model_validate_json(body)
-            check_request_shapes(request)
             return request, encode_forward_backward_request(request, compress=True), "proto+zstd"
         request = decode_forward_backward_request(body, content_encoding, max_body_bytes=max_bytes)
-        check_request_shapes(request)
     except BodyTooLarge as exc:
         raise PayloadTooLarge(str(exc)) from exc
     except WireFormatError as exc:
@@ -157,6 +154,12 @@ def _submit_forward_backward(
     payload: bytes,
     codec: str,
 ) -> UntypedAPIFuture:
+    try:
+        check_request_shapes(decoded)
+    except InvalidInput as exc:
+        # Loss inputs the engine could not even lay out never reach it: the request keeps its
+        # place in the run's order and fails there, like any request refused on its content.
+        payload, codec = encode_json_payload(refused(exc.message))
     with state.database.transaction() as db:
         run = active_run(db, state, principal, decoded.model_id)
         submitted = submit_training_op(

@@ -1,5 +1,6 @@
 """Hostile or broken input from a tenant gets a bounded 4xx naming what to change, never a 5xx,
-and leaves sessions, runs, operations, checkpoints and usage exactly as they were.
+and leaves sessions, runs, operations, checkpoints and usage exactly as they were (a refused
+training request's place in its run's order aside).
 
 The app runs in-process on SQLite and PostgreSQL; sessions and runs are made through the core
 services, so no request here needs the engine.
@@ -29,6 +30,7 @@ from core.clock import FakeClock
 from core.db import Database
 from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from core.tables import Session as SessionRow
+from scheduler.ops import JSON_ZSTD, REFUSED, decode_json_payload
 from scheduler.submit import UNLOAD_SEQ
 from tests import services
 from tests.conftest import make_settings, tenant_factory
@@ -57,21 +59,24 @@ class Env:
         return database
 
     def snapshot(self) -> dict[str, object]:
-        """Everything a refused request must leave as it was."""
+        """Everything a refused request must leave as it was.
+
+        A refused training request that names its run and seq_id leaves one thing: its refusal,
+        queued in its place in the run's order (see api/refusals.py); that is not counted.
+        """
         with self.database.reader() as db:
             counts = {
                 table.__tablename__: db.scalar(select(func.count()).select_from(table))
-                for table in (
-                    SessionRow,
-                    TrainingRun,
-                    SamplingSession,
-                    Operation,
-                    ModelVersion,
-                    UsageEvent,
-                )
+                for table in (SessionRow, TrainingRun, SamplingSession, ModelVersion, UsageEvent)
             }
+            counts["operations"] = sum(
+                1
+                for op in db.scalars(select(Operation))
+                if op.payload_codec != JSON_ZSTD
+                or REFUSED not in decode_json_payload(op.payload, op.payload_codec)
+            )
             run_rows = db.execute(
-                select(TrainingRun.id, TrainingRun.status, TrainingRun.last_request_at)
+                select(TrainingRun.id, TrainingRun.status, TrainingRun.executed_seq_id)
             ).all()
             session_rows = db.execute(
                 select(SessionRow.id, SessionRow.status, SessionRow.last_heartbeat_at)

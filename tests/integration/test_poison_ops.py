@@ -93,26 +93,28 @@ def _ops(app: EmbeddedApp) -> dict[str, Operation]:
         return {op.id: op for op in db.scalars(select(Operation))}
 
 
-def test_api_refuses_the_bomb_and_queues_nothing(tmp_path: Path) -> None:
-    with embedded_app(tmp_path) as app:
+def test_the_api_keeps_the_bomb_out_of_the_engine_and_the_run_in_order(tmp_path: Path) -> None:
+    """The API checks loss-input shapes: the bomb's body is never logged; its seq_id is queued
+    as a refusal, so it fails in the run's order and the next request never waits for it."""
+    with embedded_app(tmp_path, gap_timeout_seconds=3600) as app:
         headers = app.tenant()
         run_id = app.run(headers)
-        before = len(_ops(app))
         for content_type, body in (
             ("application/x-protobuf", _proto(_bomb(run_id, 1))),
-            ("application/json", _bomb(run_id, 1).model_dump_json().encode()),
+            ("application/json", _bomb(run_id, 2).model_dump_json().encode()),
         ):
             response = app.client.post(
                 "/api/v1/forward_backward",
                 content=body,
                 headers={**headers, "Content-Type": content_type},
             )
-            assert response.status_code == 422, response.text
-            message = response.json()["detail"]
-            assert "weights" in message and "[1, 1024]" in message, message
-        assert len(_ops(app)) == before
-        # The run is untouched: seq 1 is still the next op and trains normally.
-        _train_step(app, headers, run_id, 1)
+            assert response.status_code == 200, response.text
+            failed = app.result(headers, response.json()["request_id"])
+            assert failed["category"] == "user", failed
+            assert "weights" in failed["error"] and "[1, 1024]" in failed["error"], failed
+            stored = _ops(app)[response.json()["request_id"]]
+            assert stored.payload_codec == "json+zstd"  # the refusal, not the body
+        _train_step(app, headers, run_id, 3)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +135,7 @@ def test_api_refuses_the_bomb_and_queues_nothing(tmp_path: Path) -> None:
         ),
     ],
 )
-def test_api_refuses_loss_inputs_that_do_not_fit_their_datum(
+def test_loss_inputs_that_do_not_fit_their_datum_fail_as_user_errors(
     tmp_path: Path, weights: dict[str, Any], complaint: str
 ) -> None:
     with embedded_app(tmp_path) as app:
@@ -141,9 +143,27 @@ def test_api_refuses_loss_inputs_that_do_not_fit_their_datum(
         run_id = app.run(headers)
         body = _fb(run_id, 1)
         body["data"][0]["loss_fn_inputs"]["weights"] = weights
-        response = app.post(headers, "forward_backward", body)
+        failed = app.result(headers, app.submit(headers, "forward_backward", body))
+        assert failed["category"] == "user" and complaint in failed["error"], failed
+
+
+def test_a_request_refused_at_validation_keeps_its_place(tmp_path: Path) -> None:
+    """An out-of-range learning rate answers 422 at once, and the run's next request runs
+    without waiting out the gap timeout."""
+    with embedded_app(tmp_path, gap_timeout_seconds=3600) as app:
+        headers = app.tenant()
+        run_id = app.run(headers)
+        app.op(headers, "forward_backward", _fb(run_id, 1))
+        response = app.post(
+            headers,
+            "optim_step",
+            {"model_id": run_id, "seq_id": 2, "adam_params": {"learning_rate": 1e308}},
+        )
         assert response.status_code == 422, response.text
-        assert complaint in response.json()["detail"]
+        assert "learning_rate" in response.json()["detail"]
+        _train_step(app, headers, run_id, 3)
+        refusal = [op for op in _ops(app).values() if op.seq_id == 2]
+        assert [(op.status, op.error_category) for op in refusal] == [("failed", "user")]
 
 
 def test_poison_op_fails_alone_and_its_batch_mates_train_unchanged(tmp_path: Path) -> None:
