@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
 from typing import Any
 
 import zstandard
 
-_compressor = zstandard.ZstdCompressor(level=3)
-_decompressor = zstandard.ZstdDecompressor()
+
+class _Codecs(threading.local):
+    """A zstd compressor and decompressor per thread: their objects must never be shared
+    between threads (concurrent use crashes the process), and requests run on many."""
+
+    def __init__(self) -> None:
+        self.compressor = zstandard.ZstdCompressor(level=3)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+_codecs = _Codecs()
 
 
 class OpKind(enum.StrEnum):
@@ -40,17 +50,19 @@ PROTO_ZSTD, JSON_ZSTD = "proto+zstd", "json+zstd"
 
 
 def encode_json_payload(payload: dict[str, Any]) -> tuple[bytes, str]:
-    return _compressor.compress(json.dumps(payload, separators=(",", ":")).encode()), JSON_ZSTD
+    return _codecs.compressor.compress(
+        json.dumps(payload, separators=(",", ":")).encode()
+    ), JSON_ZSTD
 
 
 def encode_proto_payload(body: bytes) -> tuple[bytes, str]:
-    return _compressor.compress(body), PROTO_ZSTD
+    return _codecs.compressor.compress(body), PROTO_ZSTD
 
 
 def decode_payload(data: bytes, codec: str) -> bytes:
     if codec not in (PROTO_ZSTD, JSON_ZSTD):
         raise ValueError(f"unknown payload codec {codec!r}")
-    return _decompressor.decompress(data)
+    return _codecs.decompressor.decompress(data)
 
 
 REFUSED = "refused"
