@@ -165,6 +165,11 @@ def test_soak(
             snapshot_every_steps="2",
             session_ttl_seconds=str(SESSION_TTL_SECONDS),
             gap_timeout_seconds="5",
+            # Workers die here every half minute or so, far more often than the default of 3
+            # interruptions before an operation is given up is meant for: an honest operation
+            # caught by three kills of its worker while it waits for its run to be restored
+            # would be failed. Poison operations here fail on their content, not by crashing.
+            max_op_attempts="10",
         ) as group,
     ):
         group.start_worker("w1")
