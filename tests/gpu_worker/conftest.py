@@ -21,8 +21,15 @@ VOCAB = 1024
 def engine() -> Engine:
     # TREADLE_TEST_DEVICE=cuda runs the same suite on a GPU (in fp32, so references match).
     device = os.environ.get("TREADLE_TEST_DEVICE", "cpu")
-    return Engine(EngineSettings(device=device, precision="fp32", num_threads=1,
-                                 max_lora_rank=64, aliases={"Qwen/Qwen3-8B": TINY}))
+    return Engine(
+        EngineSettings(
+            device=device,
+            precision="fp32",
+            num_threads=1,
+            max_lora_rank=64,
+            aliases={"Qwen/Qwen3-8B": TINY},
+        )
+    )
 
 
 def randomize_adapter(engine: Engine, run_id: str, seed: int, std: float = 0.05) -> None:

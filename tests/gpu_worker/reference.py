@@ -15,13 +15,16 @@ from torch import nn
 
 
 @contextmanager
-def hooked_lora(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                scale: float) -> Iterator[None]:
+def hooked_lora(
+    model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float
+) -> Iterator[None]:
     """Add scale · x Aᵀ Bᵀ to the output of each named Linear."""
     handles = []
     for name, (a, b) in weights.items():
+
         def hook(_mod, inputs, output, a=a, b=b):  # type: ignore[no-untyped-def]
             return output + (inputs[0] @ a.T @ b.T) * scale
+
         handles.append(model.get_submodule(name).register_forward_hook(hook))
     try:
         yield
@@ -39,10 +42,10 @@ def target_logprobs(model: nn.Module, tokens: np.ndarray, targets: np.ndarray) -
     return torch.gather(logp_all, 1, t)
 
 
-def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, np.ndarray],
-               config: dict[str, float]) -> torch.Tensor:
-    f = {k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()
-         if k != "target_tokens"}
+def datum_loss(
+    loss_fn: str, logp: torch.Tensor, inputs: dict[str, np.ndarray], config: dict[str, float]
+) -> torch.Tensor:
+    f = {k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items() if k != "target_tokens"}
     lo = config.get("clip_low_threshold", 0.8)
     hi = config.get("clip_high_threshold", 1.2)
     if loss_fn == "cross_entropy":

@@ -16,25 +16,37 @@ RANKS = (1, 8, 32, 64)
 
 def ce_data(seed: int, lengths: tuple[int, ...]) -> list[Datum]:
     rng = np.random.default_rng(seed)
-    return [Datum(rng_tokens(rng, n), {"target_tokens": rng_tokens(rng, n),
-                                       "weights": rng.random(n).astype(np.float32)})
-            for n in lengths]
+    return [
+        Datum(
+            rng_tokens(rng, n),
+            {"target_tokens": rng_tokens(rng, n), "weights": rng.random(n).astype(np.float32)},
+        )
+        for n in lengths
+    ]
 
 
 def rl_data(seed: int, lengths: tuple[int, ...]) -> list[Datum]:
     rng = np.random.default_rng(seed)
-    return [Datum(rng_tokens(rng, n), {
-        "target_tokens": rng_tokens(rng, n),
-        "logprobs": (-7 + rng.normal(scale=0.3, size=n)).astype(np.float32),
-        "advantages": rng.normal(size=n).astype(np.float32)}) for n in lengths]
+    return [
+        Datum(
+            rng_tokens(rng, n),
+            {
+                "target_tokens": rng_tokens(rng, n),
+                "logprobs": (-7 + rng.normal(scale=0.3, size=n)).astype(np.float32),
+                "advantages": rng.normal(size=n).astype(np.float32),
+            },
+        )
+        for n in lengths
+    ]
 
 
 def make_runs(engine, prefix: str) -> list[str]:
     ids = []
     for i, rank in enumerate(RANKS):
         rid = f"{prefix}-{rank}"
-        engine.create_run(rid, TINY, LoraSpec(rank=rank, seed=i, train_unembed=i % 2 == 0,
-                                               train_mlp=i != 3))
+        engine.create_run(
+            rid, TINY, LoraSpec(rank=rank, seed=i, train_unembed=i % 2 == 0, train_mlp=i != 3)
+        )
         randomize_adapter(engine, rid, seed=100 + i)
         ids.append(rid)
     return ids
@@ -53,8 +65,9 @@ def make_ops(ids: list[str]) -> list[ForwardBackwardOp]:
 def test_mixed_ranks_batched_equal_alone(engine):
     alone_ids, batch_ids = make_runs(engine, "alone"), make_runs(engine, "batch")
     try:
-        alone = [engine.forward_backward(op.run_id, op.data, op.loss_fn)
-                 for op in make_ops(alone_ids)]
+        alone = [
+            engine.forward_backward(op.run_id, op.data, op.loss_fn) for op in make_ops(alone_ids)
+        ]
         batched = engine.forward_backward_batch(make_ops(batch_ids))
         for a_id, b_id, a, b in zip(alone_ids, batch_ids, alone, batched, strict=True):
             assert not isinstance(b, OpError), b
@@ -65,8 +78,7 @@ def test_mixed_ranks_batched_equal_alone(engine):
             assert ga.keys() == gb.keys()
             scale = max(float(g.abs().max()) for g in ga.values())
             for key in ga:
-                torch.testing.assert_close(gb[key], ga[key], atol=1e-5 * max(scale, 1.0),
-                                           rtol=1e-3)
+                torch.testing.assert_close(gb[key], ga[key], atol=1e-5 * max(scale, 1.0), rtol=1e-3)
     finally:
         for rid in alone_ids + batch_ids:
             engine.remove_run(rid)

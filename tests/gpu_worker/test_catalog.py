@@ -38,8 +38,9 @@ def test_tokenizer_ships_with_chat_template():
         tok = AutoTokenizer.from_pretrained(str(folder))
         text = "Question: what is 12 + 30? Answer: 42 🙂"
         assert tok.decode(tok.encode(text)) == text
-        chat = tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                       add_generation_prompt=True, tokenize=False)
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+        )
         assert chat.endswith("<|im_start|>assistant\n")
         assert len(tok) == catalog.info(name).vocab_size
 
@@ -63,10 +64,22 @@ def test_hf_folder_entry_serves_an_exported_model(engine, tmp_path):
         engine.export_merged("to-folder", tmp_path / "m")
     finally:
         engine.remove_run("to-folder")
-    other = Engine(EngineSettings(device="cpu", num_threads=1, catalog_entries=(
-        Catalog.hf_folder("local/merged", str(tmp_path / "m"), aliases=("my-model",)),)))
-    res = other.sample(SampleRequest(prompt=[1, 2, 3], base_model="my-model",
-                                     params=SamplingParams(max_tokens=3, seed=0, stop=[])))
+    other = Engine(
+        EngineSettings(
+            device="cpu",
+            num_threads=1,
+            catalog_entries=(
+                Catalog.hf_folder("local/merged", str(tmp_path / "m"), aliases=("my-model",)),
+            ),
+        )
+    )
+    res = other.sample(
+        SampleRequest(
+            prompt=[1, 2, 3],
+            base_model="my-model",
+            params=SamplingParams(max_tokens=3, seed=0, stop=[]),
+        )
+    )
     assert len(res.sequences[0].tokens) == 3
     assert other.catalog.info("local/merged").vocab_size == 1024
 
@@ -85,9 +98,17 @@ def test_smollm2_answers_a_chat_question():
     # converts the GGUF once into ~/.cache/treadle/models (about a minute), then loads in ~1 s
     engine = Engine(EngineSettings(device="cpu", num_threads=1))
     tok = AutoTokenizer.from_pretrained(str(engine.tokenizer_dir(SMOLLM2_NAME)))
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tok.encode(text, add_special_tokens=False)
-    res = engine.sample(SampleRequest(prompt=prompt, base_model=SMOLLM2_NAME,
-                                      params=SamplingParams(max_tokens=12, temperature=0.0)))
+    res = engine.sample(
+        SampleRequest(
+            prompt=prompt,
+            base_model=SMOLLM2_NAME,
+            params=SamplingParams(max_tokens=12, temperature=0.0),
+        )
+    )
     assert "Paris" in tok.decode(res.sequences[0].tokens)

@@ -11,14 +11,20 @@ from tests.gpu_worker.conftest import TINY, rng_tokens
 
 pytestmark = pytest.mark.unit
 
-ADAM = AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
-                  grad_clip_norm=1.0)
+ADAM = AdamParams(
+    learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0
+)
 
 
 def batch(seed: int) -> list[Datum]:
     rng = np.random.default_rng(seed)
-    return [Datum(rng_tokens(rng, 16), {"target_tokens": rng_tokens(rng, 16),
-                                        "weights": np.ones(16, np.float32)}) for _ in range(3)]
+    return [
+        Datum(
+            rng_tokens(rng, 16),
+            {"target_tokens": rng_tokens(rng, 16), "weights": np.ones(16, np.float32)},
+        )
+        for _ in range(3)
+    ]
 
 
 def train(engine, run: str, steps: range) -> list[float]:
@@ -56,8 +62,9 @@ def test_exported_adapter_loads_in_peft_with_same_logits(engine, tmp_path):
         engine.export_adapter("peft-exp", tmp_path / "adapter")
         assert (tmp_path / "adapter" / "adapter_config.json").exists()
         assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
-        peft_model = PeftModel.from_pretrained(engine.catalog.load_model(TINY),
-                                               str(tmp_path / "adapter")).eval()
+        peft_model = PeftModel.from_pretrained(
+            engine.catalog.load_model(TINY), str(tmp_path / "adapter")
+        ).eval()
         tokens = list(range(5, 40))
         with torch.no_grad():
             want = peft_model(input_ids=torch.tensor([tokens])).logits[0].numpy()
@@ -110,8 +117,12 @@ def test_merged_export_of_a_tied_embedding_model(tmp_path, train_unembed):
     from gpu_worker.engine import Engine, EngineSettings
 
     base = Engine().catalog.resolve(TINY)
-    tied = ModelEntry(name="test/tied-1m", kind="tiny", tokenizer=base.tokenizer,
-                      config={**base.config, "tie_word_embeddings": True})
+    tied = ModelEntry(
+        name="test/tied-1m",
+        kind="tiny",
+        tokenizer=base.tokenizer,
+        config={**base.config, "tie_word_embeddings": True},
+    )
     engine = Engine(EngineSettings(device="cpu", num_threads=1, catalog_entries=(tied,)))
     assert engine.catalog.load_model("test/tied-1m").config.tie_word_embeddings
     engine.create_run("t", "test/tied-1m", LoraSpec(rank=4, train_unembed=train_unembed))

@@ -21,20 +21,29 @@ from gpu_worker.protocol import (
 )
 from tests.gpu_worker.conftest import TINY, adapter_grads, randomize_adapter, rng_tokens
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def data(seed: int) -> list[Datum]:
     rng = np.random.default_rng(seed)
-    return [Datum(rng_tokens(rng, n), {"target_tokens": rng_tokens(rng, n),
-                                       "weights": np.ones(n, np.float32)}) for n in (31, 64, 7)]
+    return [
+        Datum(
+            rng_tokens(rng, n),
+            {"target_tokens": rng_tokens(rng, n), "weights": np.ones(n, np.float32)},
+        )
+        for n in (31, 64, 7)
+    ]
 
 
 @pytest.fixture(scope="module")
 def engines():
-    return (Engine(EngineSettings(device="cuda", precision="fp32")),
-            Engine(EngineSettings(device="cuda", precision="auto")))
+    return (
+        Engine(EngineSettings(device="cuda", precision="fp32")),
+        Engine(EngineSettings(device="cuda", precision="auto")),
+    )
 
 
 def test_bf16_matches_fp32_within_bf16_tolerance(engines):
@@ -49,14 +58,28 @@ def test_bf16_matches_fp32_within_bf16_tolerance(engines):
     ga, gb = adapter_grads(fp32, "g"), adapter_grads(bf16, "g")
     cos = torch.nn.functional.cosine_similarity(
         torch.cat([g.flatten() for g in ga.values()]),
-        torch.cat([g.flatten() for g in gb.values()]), dim=0)
+        torch.cat([g.flatten() for g in gb.values()]),
+        dim=0,
+    )
     assert float(cos) > 0.98
     for e in engines:
         e.optim_step("g", AdamParams(learning_rate=1e-3))
-        res = e.sample(SampleRequest(prompt=[1, 2, 3], run_id="g", num_samples=4,
-                                     params=SamplingParams(max_tokens=8, seed=3, stop=[])))
-        again = e.sample(SampleRequest(prompt=[1, 2, 3], run_id="g", num_samples=4,
-                                       params=SamplingParams(max_tokens=8, seed=3, stop=[])))
+        res = e.sample(
+            SampleRequest(
+                prompt=[1, 2, 3],
+                run_id="g",
+                num_samples=4,
+                params=SamplingParams(max_tokens=8, seed=3, stop=[]),
+            )
+        )
+        again = e.sample(
+            SampleRequest(
+                prompt=[1, 2, 3],
+                run_id="g",
+                num_samples=4,
+                params=SamplingParams(max_tokens=8, seed=3, stop=[]),
+            )
+        )
         assert [s.tokens for s in res.sequences] == [s.tokens for s in again.sequences]
         e.remove_run("g")
 

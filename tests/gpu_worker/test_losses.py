@@ -41,14 +41,16 @@ def make_data(loss_fn: str, seed: int, k: int = 0) -> list[Datum]:
     return data
 
 
-def reference(engine, run_id: str, loss_fn: str, data: list[Datum], config: dict,
-              model: str = TINY):
+def reference(
+    engine, run_id: str, loss_fn: str, data: list[Datum], config: dict, model: str = TINY
+):
     """Loss, per-datum logprobs and grads from a fresh plain model with hooked LoRA."""
     base = engine.catalog.load_model(model)
     adapter = engine._runs[run_id].adapter
-    leaves = {name: (a.detach().clone().requires_grad_(True),
-                     b.detach().clone().requires_grad_(True))
-              for name, (a, b) in adapter.weights.items()}
+    leaves = {
+        name: (a.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True))
+        for name, (a, b) in adapter.weights.items()
+    }
     total = torch.zeros(())
     logps = []
     with hooked_lora(base, leaves, adapter.scale):
@@ -68,8 +70,13 @@ def assert_grads_close(got: dict, want: dict, atol: float = 2e-5) -> None:
     scale = max(float(w.abs().max()) for w in want.values())
     assert scale > 0
     for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=atol * max(scale, 1.0), rtol=1e-3,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(
+            got[key],
+            want[key],
+            atol=atol * max(scale, 1.0),
+            rtol=1e-3,
+            msg=lambda m, key=key: f"{key}: {m}",
+        )
 
 
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", *RL_LOSSES])
@@ -156,8 +163,9 @@ def test_qwen2_architecture_matches_reference(engine):
         randomize_adapter(engine, run, seed=4)
         data = make_data("ppo", seed=5)
         result = engine.forward_backward(run, data, "ppo")
-        ref_loss, ref_logps, ref_grads = reference(engine, run, "ppo", data, {},
-                                                   model="treadle/tiny-qwen-1m")
+        ref_loss, ref_logps, ref_grads = reference(
+            engine, run, "ppo", data, {}, model="treadle/tiny-qwen-1m"
+        )
         assert result.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-4)
         for out, want in zip(result.loss_fn_outputs, ref_logps, strict=True):
             np.testing.assert_allclose(out["logprobs"], want, atol=1e-4)

@@ -12,8 +12,9 @@ from tests.gpu_worker.conftest import TINY, rng_tokens
 pytestmark = pytest.mark.unit
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-ADAM = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.05,
-                  grad_clip_norm=0.5)
+ADAM = AdamParams(
+    learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.05, grad_clip_norm=0.5
+)
 
 
 def step_data(step: int) -> list[Datum]:
@@ -43,8 +44,13 @@ def test_five_steps_match_peft_adamw(engine):
                 named[f"base_model.model.{name}.lora_B.default.weight"].copy_(b)
         trainable = [p for p in peft_model.parameters() if p.requires_grad]
         assert sum(p.numel() for p in trainable) == sum(p.numel() for p in adapter.parameters())
-        opt = torch.optim.AdamW(trainable, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
-                                eps=ADAM.eps, weight_decay=ADAM.weight_decay)
+        opt = torch.optim.AdamW(
+            trainable,
+            lr=ADAM.learning_rate,
+            betas=(ADAM.beta1, ADAM.beta2),
+            eps=ADAM.eps,
+            weight_decay=ADAM.weight_decay,
+        )
 
         for step in range(5):
             data = step_data(step)
@@ -55,7 +61,8 @@ def test_five_steps_match_peft_adamw(engine):
             for d in data:
                 logits = peft_model(input_ids=torch.tensor(d.tokens)[None]).logits[0]
                 logp = torch.log_softmax(logits.float(), -1)[
-                    torch.arange(len(d.tokens)), torch.tensor(d.loss_fn_inputs["target_tokens"])]
+                    torch.arange(len(d.tokens)), torch.tensor(d.loss_fn_inputs["target_tokens"])
+                ]
                 loss = loss - (torch.tensor(d.loss_fn_inputs["weights"]) * logp).sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, ADAM.grad_clip_norm)

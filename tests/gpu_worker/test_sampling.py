@@ -36,11 +36,18 @@ def test_fixed_seed_is_reproducible(engine, run):
 
 
 def test_batched_requests_equal_one_at_a_time(engine, run):
-    requests = [SampleRequest(prompt=PROMPT[: 2 + i], num_samples=2, run_id=run if i % 2 else None,
-                              base_model=TINY,
-                              params=SamplingParams(max_tokens=6, seed=i, stop=[], top_k=50,
-                                                    top_p=0.9, temperature=0.8))
-                for i in range(4)]
+    requests = [
+        SampleRequest(
+            prompt=PROMPT[: 2 + i],
+            num_samples=2,
+            run_id=run if i % 2 else None,
+            base_model=TINY,
+            params=SamplingParams(
+                max_tokens=6, seed=i, stop=[], top_k=50, top_p=0.9, temperature=0.8
+            ),
+        )
+        for i in range(4)
+    ]
     batched = engine.sample_batch(requests)
     for req, res in zip(requests, batched, strict=True):
         alone = engine.sample(req)
@@ -75,13 +82,19 @@ def test_sampled_logprobs_equal_compute_logprobs(engine, run):
     for seq in res.sequences:
         full = engine.compute_logprobs(run, PROMPT + seq.tokens).prompt_logprobs
         assert full is not None and np.isnan(full[0])
-        np.testing.assert_allclose(seq.logprobs, full[len(PROMPT):], atol=1e-4)
+        np.testing.assert_allclose(seq.logprobs, full[len(PROMPT) :], atol=1e-4)
 
 
 def test_prompt_logprobs_and_topk(engine, run):
-    res = engine.sample(SampleRequest(prompt=PROMPT, run_id=run, prompt_logprobs=True,
-                                      topk_prompt_logprobs=3,
-                                      params=SamplingParams(max_tokens=1, seed=0)))
+    res = engine.sample(
+        SampleRequest(
+            prompt=PROMPT,
+            run_id=run,
+            prompt_logprobs=True,
+            topk_prompt_logprobs=3,
+            params=SamplingParams(max_tokens=1, seed=0),
+        )
+    )
     lp = res.prompt_logprobs
     assert lp is not None and lp.shape == (len(PROMPT),) and np.isnan(lp[0])
     ids, vals = res.topk_prompt_logprobs
@@ -91,6 +104,9 @@ def test_prompt_logprobs_and_topk(engine, run):
 
 
 def test_alias_serves_a_tiny_model(engine):
-    res = engine.sample(SampleRequest(prompt=PROMPT, base_model="Qwen/Qwen3-8B",
-                                      params=SamplingParams(max_tokens=2, seed=0)))
+    res = engine.sample(
+        SampleRequest(
+            prompt=PROMPT, base_model="Qwen/Qwen3-8B", params=SamplingParams(max_tokens=2, seed=0)
+        )
+    )
     assert len(res.sequences[0].tokens) <= 2

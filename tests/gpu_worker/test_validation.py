@@ -21,40 +21,76 @@ pytestmark = pytest.mark.unit
 
 def good(n: int = 6) -> Datum:
     rng = np.random.default_rng(n)
-    return Datum(rng_tokens(rng, n), {"target_tokens": rng_tokens(rng, n),
-                                      "weights": np.ones(n, np.float32)})
+    return Datum(
+        rng_tokens(rng, n), {"target_tokens": rng_tokens(rng, n), "weights": np.ones(n, np.float32)}
+    )
 
 
 def rl(n: int = 6, **override) -> Datum:
     rng = np.random.default_rng(n)
-    inputs = {"target_tokens": rng_tokens(rng, n), "logprobs": np.full(n, -7.0, np.float32),
-              "advantages": np.ones(n, np.float32)}
+    inputs = {
+        "target_tokens": rng_tokens(rng, n),
+        "logprobs": np.full(n, -7.0, np.float32),
+        "advantages": np.ones(n, np.float32),
+    }
     inputs.update(override)
     return Datum(rng_tokens(rng, n), inputs)
 
 
 CASES = [
-    ("cross_entropy", None, [Datum([1, 2, VOCAB], {"target_tokens": [1, 2, 3],
-                                                    "weights": np.ones(3)})], "outside"),
-    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2, -1],
-                                                "weights": np.ones(3)})], "outside"),
-    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2],
-                                                "weights": np.ones(3)})], "target_tokens"),
-    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2, 3],
-                                                "weights": np.ones(2)})], "weights"),
+    (
+        "cross_entropy",
+        None,
+        [Datum([1, 2, VOCAB], {"target_tokens": [1, 2, 3], "weights": np.ones(3)})],
+        "outside",
+    ),
+    (
+        "cross_entropy",
+        None,
+        [Datum([1, 2, 3], {"target_tokens": [1, 2, -1], "weights": np.ones(3)})],
+        "outside",
+    ),
+    (
+        "cross_entropy",
+        None,
+        [Datum([1, 2, 3], {"target_tokens": [1, 2], "weights": np.ones(3)})],
+        "target_tokens",
+    ),
+    (
+        "cross_entropy",
+        None,
+        [Datum([1, 2, 3], {"target_tokens": [1, 2, 3], "weights": np.ones(2)})],
+        "weights",
+    ),
     ("importance_sampling", None, [rl(advantages=np.ones(4, np.float32))], "advantages"),
     ("ppo", None, [rl(logprobs=np.ones(9, np.float32))], "logprobs"),
     ("ppo", None, [rl(advantages=np.array([1, np.nan, 1, 1, 1, 1], np.float32))], "finite"),
-    ("cross_entropy", None, [Datum([1, 2, 3], {"target_tokens": [1, 2, 3],
-                                                "weights": [1.0, np.inf, 1.0]})], "finite"),
+    (
+        "cross_entropy",
+        None,
+        [Datum([1, 2, 3], {"target_tokens": [1, 2, 3], "weights": [1.0, np.inf, 1.0]})],
+        "finite",
+    ),
     ("kl_magic", None, [good()], "unknown loss_fn"),
     ("cross_entropy", None, [Datum([1, 2], {"target_tokens": [1, 2]})], "missing"),
-    ("cross_entropy", None, [Datum([1, 2], {"target_tokens": [1, 2], "weights": [1, 1],
-                                            "mask": [1, 1]})], "not used"),
+    (
+        "cross_entropy",
+        None,
+        [Datum([1, 2], {"target_tokens": [1, 2], "weights": [1, 1], "mask": [1, 1]})],
+        "not used",
+    ),
     ("gspo", None, [rl()], "sequence_ratio_mask"),
-    ("cross_entropy", None, [Datum(np.zeros(2049, np.int64),
-                                   {"target_tokens": np.zeros(2049, np.int64),
-                                    "weights": np.ones(2049)})], "context length"),
+    (
+        "cross_entropy",
+        None,
+        [
+            Datum(
+                np.zeros(2049, np.int64),
+                {"target_tokens": np.zeros(2049, np.int64), "weights": np.ones(2049)},
+            )
+        ],
+        "context length",
+    ),
     ("cross_entropy", None, [], "at least one datum"),
     ("ppo", {"clip_low": 0.5}, [rl()], "clip_low_threshold"),
     ("dro", None, [rl()], "beta"),
@@ -85,8 +121,9 @@ def run(engine):
 
 
 @pytest.mark.parametrize(("loss_fn", "config", "data", "needle"), CASES)
-def test_bad_forward_backward_is_rejected_without_side_effects(engine, run, loss_fn, config,
-                                                              data, needle):
+def test_bad_forward_backward_is_rejected_without_side_effects(
+    engine, run, loss_fn, config, data, needle
+):
     engine.forward_backward(run, [good()])  # some accumulated gradient to protect
     before = snapshot(engine, run)
     with pytest.raises(UserInputError, match=needle):
@@ -107,8 +144,13 @@ def test_bad_adam_and_sampling_params(engine, run):
     with pytest.raises(UserInputError, match="learning_rate"):
         engine.optim_step(run, AdamParams(learning_rate=float("nan")))
     assert_same(before, snapshot(engine, run))
-    bad = [SamplingParams(max_tokens=0), SamplingParams(top_p=0.0), SamplingParams(top_k=0),
-           SamplingParams(temperature=-1.0), SamplingParams(max_tokens=5000)]
+    bad = [
+        SamplingParams(max_tokens=0),
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_k=0),
+        SamplingParams(temperature=-1.0),
+        SamplingParams(max_tokens=5000),
+    ]
     for params in bad:
         with pytest.raises(UserInputError):
             engine.sample(SampleRequest(prompt=[1, 2], params=params, run_id=run))
