@@ -19,6 +19,7 @@ from typing import Any
 
 import zstandard
 
+from tests.embedded_app import datum
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
 from treadle.wire import PROTOBUF_CONTENT_TYPE, encode_forward_backward_request
 
@@ -66,16 +67,6 @@ class Ids:
         return f"training_runs/{run_id}/checkpoints/{rest}/ttl"
 
 
-def tokens_datum(tokens: list[int]) -> dict[str, Any]:
-    return {
-        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-        "loss_fn_inputs": {
-            "target_tokens": {"data": tokens[1:], "dtype": "int64"},
-            "weights": {"data": [1.0] * (len(tokens) - 1), "dtype": "float32"},
-        },
-    }
-
-
 TOKENS = list(range(10, 27))
 
 
@@ -99,7 +90,7 @@ def valid_bodies(ids: Ids, seq_ids: Iterator[int]) -> dict[str, dict[str, Any]]:
         "forward_backward": {
             "model_id": ids.run_id,
             "seq_id": next(seq_ids),
-            "data": [tokens_datum(TOKENS)],
+            "data": [datum(TOKENS)],
             "loss_fn": "cross_entropy",
         },
         "optim_step": {
@@ -228,9 +219,9 @@ def poison_requests(run_id: str, seq_ids: Iterator[int]) -> dict[str, ForwardBac
     takes the next of `seq_ids`."""
     n = len(TOKENS) - 1
 
-    def request(datum: Datum, loss_fn: str = "cross_entropy") -> ForwardBackwardRequest:
+    def request(one: Datum, loss_fn: str = "cross_entropy") -> ForwardBackwardRequest:
         return ForwardBackwardRequest(
-            model_id=run_id, seq_id=next(seq_ids), data=[datum], loss_fn=loss_fn
+            model_id=run_id, seq_id=next(seq_ids), data=[one], loss_fn=loss_fn
         )
 
     def sparse_weights(cols: int) -> TensorData:
@@ -309,7 +300,7 @@ def forward_backward_cases(
             {
                 "model_id": run_id,
                 "seq_id": next(seq_ids),
-                "data": [tokens_datum(TOKENS)],
+                "data": [datum(TOKENS)],
                 "loss_fn": "cross_entropy",
             }
         )

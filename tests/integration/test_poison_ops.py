@@ -9,6 +9,7 @@ exactly the losses they would have had without it — also across a restart.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,34 @@ def _train_step(app: EmbeddedApp, headers: dict[str, str], run_id: str, seq_id: 
         {"model_id": run_id, "seq_id": seq_id + 1, "adam_params": {"learning_rate": 0.05}},
     )
     return loss
+
+
+@dataclasses.dataclass
+class Tenants:
+    """A victim, a reference that trains the same run undisturbed, and an attacker."""
+
+    victim: dict[str, str]
+    reference: dict[str, str]
+    attacker: dict[str, str]
+    victim_run: str
+    reference_run: str
+    attacker_run: str
+
+    @classmethod
+    def of(cls, app: EmbeddedApp) -> Tenants:
+        victim, reference, attacker = app.tenant(), app.tenant(), app.tenant()
+        return cls(
+            victim,
+            reference,
+            attacker,
+            app.run(victim, seed=5),
+            app.run(reference, seed=5),
+            app.run(attacker),
+        )
+
+    def expected(self, app: EmbeddedApp, *seq_ids: int) -> list[float]:
+        """The reference's losses for train steps at these seq ids."""
+        return [_train_step(app, self.reference, self.reference_run, seq) for seq in seq_ids]
 
 
 def _proto(request: ForwardBackwardRequest) -> bytes:
@@ -168,10 +197,14 @@ def test_a_request_refused_at_validation_keeps_its_place(tmp_path: Path) -> None
 
 def test_poison_op_fails_alone_and_its_batch_mates_train_unchanged(tmp_path: Path) -> None:
     with embedded_app(tmp_path) as app:
-        victim, reference, attacker = app.tenant(), app.tenant(), app.tenant()
-        victim_run, reference_run = app.run(victim, seed=5), app.run(reference, seed=5)
-        attacker_run = app.run(attacker)
-        expected = [_train_step(app, reference, reference_run, seq) for seq in (1, 3)]
+        t = Tenants.of(app)
+        victim, attacker, victim_run, attacker_run = (
+            t.victim,
+            t.attacker,
+            t.victim_run,
+            t.attacker_run,
+        )
+        expected = t.expected(app, 1, 3)
 
         honest, poison = app.log_together(
             [
@@ -209,10 +242,14 @@ def test_a_step_that_fails_as_a_whole_releases_its_ops_and_gives_up_on_the_culpr
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with embedded_app(tmp_path) as app:
-        victim, reference, attacker = app.tenant(), app.tenant(), app.tenant()
-        victim_run, reference_run = app.run(victim, seed=5), app.run(reference, seed=5)
-        attacker_run = app.run(attacker)
-        expected = _train_step(app, reference, reference_run, 1)
+        t = Tenants.of(app)
+        victim, attacker, victim_run, attacker_run = (
+            t.victim,
+            t.attacker,
+            t.victim_run,
+            t.attacker_run,
+        )
+        [expected] = t.expected(app, 1)
 
         _crash_on(attacker_run, monkeypatch)
         honest, poison = app.log_together(
@@ -240,10 +277,14 @@ def test_ops_left_running_by_a_crash_are_retried_alone_after_a_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with embedded_app(tmp_path) as app:
-        victim, reference, attacker = app.tenant(), app.tenant(), app.tenant()
-        victim_run, reference_run = app.run(victim, seed=5), app.run(reference, seed=5)
-        attacker_run = app.run(attacker)
-        expected = [_train_step(app, reference, reference_run, seq) for seq in (1, 3)]
+        t = Tenants.of(app)
+        victim, attacker, victim_run, attacker_run = (
+            t.victim,
+            t.attacker,
+            t.victim_run,
+            t.attacker_run,
+        )
+        expected = t.expected(app, 1, 3)
         _crash_on(attacker_run, monkeypatch)
         honest, poison = app.log_together(
             [(victim_run, 1, _honest(victim_run, 1)), (attacker_run, 1, _honest(attacker_run, 1))],
