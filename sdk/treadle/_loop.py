@@ -13,6 +13,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from treadle.errors import ClientClosedError, UsageError
+
 T = TypeVar("T")
 
 
@@ -39,14 +41,14 @@ class BackgroundLoop:
         """Schedule `coro` on the loop; its result arrives in the returned future."""
         if self._loop.is_closed():
             coro.close()
-            raise RuntimeError("this client is closed; create a new ServiceClient")
+            raise ClientClosedError("this client is closed; create a new ServiceClient")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and block until it finishes (not from the loop itself)."""
         if self.in_loop_thread():
             coro.close()
-            raise RuntimeError(
+            raise UsageError(
                 "a blocking treadle call was made from the client's own event loop; "
                 "use the *_async variant instead"
             )

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import httpx
 
 from treadle._http import HttpClient
-from treadle.errors import APIStatusError, FutureExpiredError, RequestFailedError
+from treadle.errors import APIStatusError, FutureExpiredError, error_from_failed_request
 from treadle.types import UntypedAPIFuture
 from treadle.wire import PROTOBUF_CONTENT_TYPE
 
@@ -97,10 +97,8 @@ async def retrieve(
         body = response.json()
         if isinstance(body, dict):
             if "error" in body:
-                raise RequestFailedError(
-                    str(body["error"]),
-                    category=str(body.get("category") or "unknown"),
-                    request_id=request_id,
+                raise error_from_failed_request(
+                    str(body["error"]), str(body.get("category") or "unknown"), request_id
                 )
             if body.get("type") == "try_again":
                 state = body.get("queue_state", "active")

@@ -14,6 +14,16 @@ body), which says what to change. The hierarchy:
   * `RequestFailedError` - an accepted operation failed; `category` is `user` (change the
     input), `server` (the operator's side) or `unknown`.
   * `FutureExpiredError` - the server no longer holds the result of a request.
+  * `InvalidArgumentError` - an argument has the wrong type or value, caught at the call before
+    anything is sent (also a `TypeError` and a `ValueError`).
+  * `UsageError` (`ClientClosedError`) - the client was used in a way that cannot work, e.g.
+    after `close()` (also a `RuntimeError`).
+  * `MissingDependencyError` - an optional extra is not installed (also an `ImportError`).
+
+An operation refused while it ran with category `user` raises `RequestRejectedError` (both a
+`RequestFailedError` and a `BadRequestError`), or `RequestNotFoundError` (both a
+`RequestFailedError` and a `NotFoundError`) when what it names does not exist: the same
+mistake raises the same class whether the server refused it at submission or while running.
 """
 
 from __future__ import annotations
@@ -118,8 +128,73 @@ class RequestFailedError(TreadleError):
         self.request_id = request_id
 
 
+class _RequestRefusal(RequestFailedError):
+    """A failed operation that is also the `APIStatusError` of the same refusal at submission."""
+
+    status: int = 422
+    status_code: int
+    body: Any
+
+    def __init__(self, message: str, *, category: str = "user", request_id: str = "") -> None:
+        Exception.__init__(self, f"{message} [category={category}]")
+        self.message = message
+        self.category = category
+        self.request_id = request_id
+        self.status_code = self.status
+        self.body = None
+
+
+class RequestRejectedError(_RequestRefusal, BadRequestError):  # type: ignore[misc]
+    """An accepted operation was refused while it ran because of its input (category `user`).
+
+    Both a `RequestFailedError` and a `BadRequestError`, so `except BadRequestError` catches
+    the same mistake whether the server refused it at submission or while running it.
+    `status_code` is 422, the status of the same refusal at submission.
+    """
+
+
+class RequestNotFoundError(_RequestRefusal, NotFoundError):  # type: ignore[misc]
+    """An accepted operation failed because what it names does not exist (e.g. `load_state`
+    of an unknown checkpoint).
+
+    Both a `RequestFailedError` and a `NotFoundError`, like the refusal of the same path by
+    `create_training_client_from_state`. `status_code` is 404.
+    """
+
+    status = 404
+
+
+def error_from_failed_request(message: str, category: str, request_id: str) -> RequestFailedError:
+    """The exception for an operation the server accepted and then failed."""
+    if category != "user":
+        return RequestFailedError(message, category=category, request_id=request_id)
+    if " not found" in message.lower():
+        return RequestNotFoundError(message, category=category, request_id=request_id)
+    return RequestRejectedError(message, category=category, request_id=request_id)
+
+
 class FutureExpiredError(TreadleError):
-    """The server no longer holds this request's result (HTTP 410 on retrieve_future)."""
+    """The server no longer holds this request's result; submit the operation again."""
+
+
+class InvalidArgumentError(TreadleError, TypeError, ValueError):
+    """An argument has the wrong type or value; raised at the call, before anything is sent.
+
+    The message names the call, the argument, what was expected and what was given, e.g.
+    `optim_step: adam_params expected AdamParams, got float`.
+    """
+
+
+class UsageError(TreadleError, RuntimeError):
+    """The client was used in a way that cannot work (e.g. a blocking call from its own loop)."""
+
+
+class ClientClosedError(UsageError):
+    """The client, or the ServiceClient it came from, is closed; create a new ServiceClient."""
+
+
+class MissingDependencyError(TreadleError, ImportError):
+    """An optional extra is not installed; the message names the `pip install` to run."""
 
 
 _SESSION_ENDED_HINTS = ("has finished", "expired after missing heartbeats", "start a new session")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from treadle.errors import InvalidArgumentError, MissingDependencyError
 from treadle.types import Datum, ForwardBackwardOutput, TensorData
 
 CustomLossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
@@ -23,7 +24,7 @@ def import_torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise ImportError(
+        raise MissingDependencyError(
             "forward_backward_custom runs your loss in torch on this machine; install it with "
             "`pip install 'treadle[torch]'`"
         ) from exc
@@ -34,13 +35,13 @@ def forward_data(data: Sequence[Datum]) -> list[Datum]:
     """The data of the forward pass: targets, and the caller's weights or zeros.
 
     Raises:
-        ValueError: a datum has no `target_tokens`.
+        InvalidArgumentError: a datum has no `target_tokens`.
     """
     out = []
     for i, datum in enumerate(data):
         targets = datum.loss_fn_inputs.get("target_tokens")
         if targets is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"datum {i} has no target_tokens; forward_backward_custom needs them to compute "
                 "per-token logprobs"
             )
@@ -80,7 +81,7 @@ def surrogate_data(
     backward = []
     for i, (datum, logprob) in enumerate(zip(data, logprobs, strict=True)):
         if logprob.grad is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"the custom loss does not depend on the logprobs of datum {i}; every datum "
                 "must contribute to the loss"
             )

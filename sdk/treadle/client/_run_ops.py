@@ -16,11 +16,13 @@ import httpx
 import zstandard
 from pydantic import BaseModel
 
+from treadle._checks import build, check_items, check_type, optional
 from treadle._polling import retrieve, submit
 from treadle._session import Session
 from treadle.client._chunks import merge_outputs, split_batch
 from treadle.client._custom_loss import CustomLossFn, custom_output, surrogate_data
 from treadle.client._sequencer import Sequencer
+from treadle.errors import InvalidArgumentError
 from treadle.futures import APIFuture
 from treadle.proto import treadle_wire_pb2 as pb
 from treadle.types import Datum, ForwardBackwardOutput, ForwardBackwardRequest, UntypedAPIFuture
@@ -65,7 +67,10 @@ class RunOps:
         *,
         forward_only: bool,
     ) -> bytes:
-        request = ForwardBackwardRequest(
+        call = "forward" if forward_only else "forward_backward"
+        request = build(
+            call,
+            ForwardBackwardRequest,
             model_id=self.model_id,
             seq_id=0,
             data=chunk,
@@ -73,7 +78,10 @@ class RunOps:
             loss_fn_config=config,
             forward_only=forward_only,
         )
-        return _encode(request)
+        try:
+            return _encode(request)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgumentError(f"{call}: a datum cannot be encoded: {exc}") from exc
 
     def forward_backward(
         self,
@@ -83,6 +91,10 @@ class RunOps:
         *,
         forward_only: bool,
     ) -> APIFuture[ForwardBackwardOutput]:
+        call = "forward" if forward_only else "forward_backward"
+        check_items(call, "data", data, Datum)
+        check_type(call, "loss_fn", loss_fn, str)
+        check_type(call, "loss_fn_config", config, optional(dict))
         chunks = split_batch(data, self.max_chunk_len, self.max_chunk_bytes)
         # Encoded here, so bad data raises before a seq id is taken.
         bodies = [

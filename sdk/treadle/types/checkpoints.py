@@ -16,6 +16,7 @@ from typing import Annotated, Literal, TypeAlias
 from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
+from treadle.errors import InvalidArgumentError
 from treadle.types._base import WireRequest, WireResponse
 from treadle.types.bounds import CheckpointPathText
 from treadle.types.optimizer import AdamOptimizerConfig, OptimizerConfig
@@ -86,11 +87,11 @@ class CheckpointPath(WireResponse):
     @classmethod
     def parse(cls, path: str) -> CheckpointPath:
         """Raises:
-        ValueError: the path is not `tinker://{run}/{weights|sampler_weights|external_weights}/{name}`.
+        InvalidArgumentError: the path is not `tinker://{run}/{weights|sampler_weights|external_weights}/{name}`.
         """
         parts = path[len(TINKER_SCHEME) :].split("/") if path.startswith(TINKER_SCHEME) else []
         if len(parts) != 3 or not all(parts) or parts[1] not in _KIND_TO_TYPE:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{path!r} is not a checkpoint path; expected "
                 "tinker://<training_run_id>/<weights|sampler_weights|external_weights>/<name>"
             )

@@ -55,6 +55,25 @@ ProvenanceSpan: TypeAlias = Annotated[
 
 
 class Datum(WireRequest):
+    """One training example: the model's input and the per-token inputs of the loss.
+
+    Attributes:
+        model_input: the tokens the model reads (`ModelInput.from_ints(tokens[:-1])`).
+        loss_fn_inputs: per-position arrays the loss reads, each as long as the input:
+            `target_tokens` (the next token at each position) and, depending on the loss,
+            `weights`, `logprobs`, `advantages`, `sequence_ratio_mask` (see
+            `TrainingClient.forward_backward`). Lists, numpy arrays and torch tensors are
+            converted to `TensorData`.
+        model_input_spans, loss_fn_input_spans: optional provenance of the tokens.
+
+    ```python
+    Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    ```
+    """
+
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
     model_input_spans: list[ProvenanceSpan] | None = None

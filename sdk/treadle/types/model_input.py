@@ -102,6 +102,15 @@ ModelInputChunk: TypeAlias = Annotated[
 
 
 class ModelInput(WireRequest):
+    """What the model reads: a sequence of chunks, usually one chunk of token ids.
+
+    Build it with `ModelInput.from_ints(token_ids)`; `to_ints()` gives the ids back and
+    `length` counts the positions.
+
+    Attributes:
+        chunks: token chunks (`EncodedTextChunk`) and, for models that take them, images.
+    """
+
     chunks: list[ModelInputChunk]
 
     @classmethod

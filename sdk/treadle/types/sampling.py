@@ -68,6 +68,17 @@ class JoinSamplingSessionResponse(WireResponse):
 
 
 class SamplingParams(WireRequest):
+    """How `SamplingClient.sample` draws tokens.
+
+    Attributes:
+        max_tokens: the most tokens to generate per sequence.
+        seed: makes the draw reproducible (None: random).
+        stop: strings or token ids that end a sequence.
+        temperature: the softmax temperature; lower is more deterministic.
+        top_k: sample among the k likeliest tokens only.
+        top_p: sample within the smallest set whose probability reaches top_p.
+    """
+
     max_tokens: int | None = None
     seed: Seed | None = None
     stop: str | list[str] | list[int] | None = None
@@ -100,6 +111,16 @@ class SampleRequest(WireRequest):
 
 
 class SampledSequence(WireResponse):
+    """One sampled continuation.
+
+    Attributes:
+        stop_reason: `length` (max_tokens reached) or `stop` (a stop sequence or EOS).
+        tokens: the generated token ids (the prompt not included).
+        logprobs: the logprob of each generated token under the sampled model.
+        topk_logprobs: the top-k alternatives at each position, when asked for.
+        sequence_id: the server's id of this sequence.
+    """
+
     stop_reason: StopReason
     tokens: list[int]
     logprobs: list[float] | None = None
@@ -119,6 +140,15 @@ class PromptAltTokens(WireResponse):
 
 
 class SampleResponse(WireResponse):
+    """The result of `SamplingClient.sample`.
+
+    Attributes:
+        sequences: `num_samples` continuations (`SampledSequence`).
+        prompt_logprobs: with `include_prompt_logprobs=True`, each prompt token's logprob.
+        topk_prompt_logprobs: with `topk_prompt_logprobs=k`, the top-k at each prompt position.
+        prompt_cache_hit_tokens: prompt tokens served from the server's prefix cache.
+    """
+
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     """One entry per prompt token; None where not computed (position 0 at least)."""

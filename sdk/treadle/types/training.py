@@ -42,6 +42,8 @@ LossFnType: TypeAlias = Literal[
     "stable_reinforce",
     "custom",
 ]
+"""The built-in losses `TrainingClient.forward_backward` accepts (its docstring lists the
+`loss_fn_inputs` each needs); `custom` runs a loss registered with the server."""
 LOSS_FNS: tuple[str, ...] = get_args(LossFnType)
 
 METRIC_REDUCTIONS: frozenset[str] = frozenset(
