@@ -281,6 +281,12 @@ class Engine:
                                     "learning_rate:mean": adam.learning_rate,
                                     "step:max": float(run.steps)})
 
+    def clear_gradients(self, run_id: str) -> None:
+        """Drop the gradients accumulated since the last optimizer step; weights and optimizer
+        state stay as they are."""
+        with self._lock:
+            self._run(run_id).adapter.zero_grad()
+
     # --- sampling -----------------------------------------------------------------------
 
     def sample(self, request: SampleRequest) -> SampleResult:

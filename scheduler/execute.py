@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.ledger import UsageLine
@@ -23,7 +23,7 @@ from core.db import Database
 from core.errors import NotFound
 from core.ids import sampling_session_id
 from core.objectstore import ArtifactStore
-from core.tables import ModelVersion, SamplingSession, TrainingRun
+from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from gpu_worker import protocol as ep
 from scheduler import convert
 from scheduler.ops import (
@@ -35,6 +35,7 @@ from scheduler.ops import (
     decode_json_payload,
     decode_payload,
 )
+from scheduler.submit import DONE, FAILED
 from scheduler.task import Task
 from treadle.types import (
     CreateModelResponse,
@@ -300,11 +301,48 @@ class Executor:
             OpKind.SAVE_WEIGHTS_EXTERNAL: self._save_external,
             OpKind.UNLOAD_MODEL: self._unload,
         }
+        if task.kind is OpKind.OPTIM_STEP:
+            # Before anything else about the step, so that replay reaches the same decision.
+            refusal = self._refuse_failed_gradients(task)
+            if refusal is not None:
+                return refusal
         if task.payload_codec == JSON_ZSTD:
             payload = decode_json_payload(task.payload, task.payload_codec)
             if REFUSED in payload:
                 return Outcome.failed("user", str(payload[REFUSED]))
         return _guarded(task, lambda: handlers[task.kind](task))
+
+    def _refuse_failed_gradients(self, task: Task) -> Outcome | None:
+        """Refuse an optimizer step whose gradients are missing a failed forward_backward.
+
+        The step's window runs from the run's last successful optim_step, creation or load
+        (or from an optim_step refused here, which discarded the window's gradients) to this
+        op. If a forward_backward in it failed, the gradients are not the batch the client
+        meant: stepping on them would train silently on part of it. The step fails instead,
+        and the window's gradients are discarded so the client can send the batch again.
+        The decision reads only ops recorded before this one, so replay reaches it again.
+        """
+        failed = failed_forward_backwards(
+            self.database, task.target_id, task.seq_id, self.max_request_bytes
+        )
+        if not failed:
+            return None
+        self.engine.clear_gradients(task.target_id)
+        first = failed[0]
+        others = (
+            f" (and {len(failed) - 1} more failed forward_backward requests)"
+            if len(failed) > 1
+            else ""
+        )
+        reason = first.reason if len(first.reason) <= 500 else first.reason[:500] + "…"
+        return Outcome.failed(
+            "user",
+            f"optim_step refused: forward_backward request {first.request_id} (seq_id "
+            f"{first.seq_id}) failed{others}, so the gradients accumulated since the last step "
+            f"are not the whole batch; it failed with: {reason}. The run's weights and "
+            "optimizer state are unchanged and the accumulated gradients were discarded: fix "
+            "that request, send the batch's forward_backward requests again, then optim_step",
+        )
 
     def replay(self, task: Task) -> None:
         """Re-apply a recorded op's effect on the engine (recovery); its result is not kept."""
@@ -318,7 +356,9 @@ class Executor:
                     convert.loss_config(request),
                 )
         elif task.kind is OpKind.OPTIM_STEP:
-            self._optim_step(task)
+            # Recovery replays the steps that succeeded and those that failed for the user's
+            # reasons: running them again reproduces what they did to the gradients.
+            self.run(task)
         elif task.kind in (OpKind.CREATE_MODEL, OpKind.LOAD_WEIGHTS, OpKind.UNLOAD_MODEL):
             outcome = self.run(task)
             if outcome.error is not None:
@@ -523,6 +563,86 @@ class Executor:
                 run.status = runs.UNLOADED
 
         return Outcome.json(UnloadModelResponse(model_id=task.target_id), apply=apply)
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedForwardBackward:
+    request_id: str
+    seq_id: int
+    reason: str
+
+
+def failed_forward_backwards(
+    database: Database, run_id: str, seq_id: int | None, max_body_bytes: int
+) -> list[FailedForwardBackward]:
+    """The failed forward_backward ops whose gradients an optim_step at `seq_id` would miss.
+
+    Its window starts after the run's last op that left no gradients pending: a successful
+    optim_step, create_model or load_weights, or an optim_step refused for this very reason
+    (a `user` failure with failed forward_backward ops in its own window). Forward-only ops
+    never count, and neither do ops that never ran (a late arrival after its gap was given up
+    is failed at once, after the step behind it ran).
+    """
+    if seq_id is None:
+        return []
+    with database.reader() as db:
+        start = db.scalar(
+            select(func.max(Operation.seq_id)).where(
+                Operation.target_id == run_id,
+                Operation.seq_id < seq_id,
+                Operation.status == DONE,
+                Operation.kind.in_(
+                    (
+                        OpKind.OPTIM_STEP.value,
+                        OpKind.CREATE_MODEL.value,
+                        OpKind.LOAD_WEIGHTS.value,
+                    )
+                ),
+            )
+        )
+        rows = db.execute(
+            select(
+                Operation.id,
+                Operation.seq_id,
+                Operation.kind,
+                Operation.error_category,
+                Operation.error_message,
+                Operation.payload,
+                Operation.payload_codec,
+            )
+            .where(
+                Operation.target_id == run_id,
+                Operation.seq_id < seq_id,
+                Operation.seq_id > (start if start is not None else -1),
+                Operation.status == FAILED,
+                Operation.started_at.is_not(None),
+                Operation.kind.in_((OpKind.FORWARD_BACKWARD.value, OpKind.OPTIM_STEP.value)),
+            )
+            .order_by(Operation.seq_id)
+        ).all()
+    pending: list[FailedForwardBackward] = []
+    for request_id, op_seq, kind, category, message, payload, codec in rows:
+        if kind == OpKind.OPTIM_STEP.value:
+            if category == "user" and pending:
+                pending = []  # that step was refused and discarded the window's gradients
+        elif not _forward_only(payload, codec, max_body_bytes):
+            assert op_seq is not None
+            pending.append(FailedForwardBackward(request_id, op_seq, message or "unknown error"))
+    return pending
+
+
+def _forward_only(payload: bytes, codec: str, max_body_bytes: int) -> bool:
+    """Whether a stored forward_backward op was a forward pass; a body that cannot be read
+    counts as a forward_backward (it failed, and may have been one)."""
+    try:
+        if codec == JSON_ZSTD:
+            return decode_json_payload(payload, codec).get("forward_only") is True
+        request = decode_forward_backward_request(
+            payload, content_encoding=codec.partition("+")[2], max_body_bytes=max_body_bytes
+        )
+        return request.forward_only
+    except Exception:
+        return False
 
 
 def _activate(run_id: str) -> Callable[[OrmSession], None]:

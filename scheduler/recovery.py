@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 
 from core.db import Database
 from core.objectstore import ArtifactStore
 from core.tables import Operation, TrainingRun
-from scheduler.submit import DONE
+from scheduler.ops import OpKind
+from scheduler.submit import DONE, FAILED
 from scheduler.task import Task
 
 if TYPE_CHECKING:
@@ -45,7 +46,17 @@ def restore_run(
             select(Operation)
             .where(
                 Operation.target_id == run_id,
-                Operation.status == DONE,
+                or_(
+                    Operation.status == DONE,
+                    # A step that failed for the user's reasons may have discarded gradients
+                    # (refused after a failed forward_backward, or not finite): replay it too.
+                    and_(
+                        Operation.status == FAILED,
+                        Operation.kind == OpKind.OPTIM_STEP.value,
+                        Operation.error_category == "user",
+                        Operation.started_at.is_not(None),
+                    ),
+                ),
                 Operation.seq_id > start,
                 Operation.seq_id <= run.executed_seq_id,
             )

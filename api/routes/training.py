@@ -159,7 +159,10 @@ def _submit_forward_backward(
     except InvalidInput as exc:
         # Loss inputs the engine could not even lay out never reach it: the request keeps its
         # place in the run's order and fails there, like any request refused on its content.
-        payload, codec = encode_json_payload(refused(exc.message))
+        # forward_only is kept so that a refused forward pass never fails an optim_step.
+        payload, codec = encode_json_payload(
+            {**refused(exc.message), "forward_only": decoded.forward_only}
+        )
     with state.database.transaction() as db:
         run = active_run(db, state, principal, decoded.model_id)
         submitted = submit_training_op(

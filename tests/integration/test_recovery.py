@@ -142,4 +142,79 @@ def test_restarted_server_restores_runs(tmp_path: Path, snapshot_every_steps: in
     with Database(url).reader() as db:
         # Replayed ops are not billed again: only the new forward_backward and forward added
         # usage (20 tokens each; an optimizer step processes no tokens).
-        assert db.scalar(select(func.sum(UsageEvent.quantity))) == billed + 2 * 20
+        assert db.scalar(select(func.sum(UsageEvent.quantity))) == (billed or 0) + 2 * 20
+
+
+def _failure(
+    client: TestClient, headers: dict[str, str], path: str, body: dict[str, object]
+) -> str:
+    """Submit an op that must fail through its future with a `user` error; returns the error."""
+    response = client.post(f"/api/v1/{path}", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        answer = client.post(
+            "/api/v1/retrieve_future",
+            json={"request_id": response.json()["request_id"]},
+            headers=headers,
+        ).json()
+        if answer.get("type") != "try_again":
+            assert answer.get("category") == "user", answer
+            return str(answer["error"])
+    raise AssertionError("no result")
+
+
+def test_replay_repeats_steps_refused_after_a_failed_forward_backward(tmp_path: Path) -> None:
+    """A refused optim_step discarded its window's gradients; replay after a restart discards
+    them too, and a window left open across the restart is refused by the restarted server."""
+    url = f"sqlite:///{tmp_path / 'treadle.db'}"
+    upgrade(Database(url))
+    settings = make_settings(tmp_path, url, snapshot_every_steps=1000)  # replay from creation
+    inputs = DATUM["loss_fn_inputs"]
+    assert isinstance(inputs, dict)
+    unweighted = {**DATUM, "loss_fn_inputs": {"target_tokens": inputs["target_tokens"]}}
+    adam = {"adam_params": {"learning_rate": 0.01}}
+    app = create_app(settings)
+    key = tenant_factory(app.state.treadle.database, settings)().key
+    headers = {"X-API-Key": key}
+
+    def fb(client: TestClient, run_id: str, seq_id: int, datum: dict[str, object]) -> None:
+        body = {"model_id": run_id, "seq_id": seq_id, "data": [datum], "loss_fn": "cross_entropy"}
+        if datum is DATUM:
+            _op(client, headers, "forward_backward", body)
+        else:
+            _failure(client, headers, "forward_backward", body)
+
+    with TestClient(app) as client:
+        session_id = client.post("/api/v1/create_session", json={}, headers=headers).json()[
+            "session_id"
+        ]
+        reference = _train(client, headers, session_id, 0, steps=1)
+        expected = _forward_loss(client, headers, reference, seq_id=3)
+        fb(client, reference, 4, DATUM)
+        _op(client, headers, "optim_step", {"model_id": reference, "seq_id": 5, **adam})
+        expected_second = _forward_loss(client, headers, reference, seq_id=6)
+        run_id = _train(client, headers, session_id, 1, steps=0)
+        fb(client, run_id, 1, DATUM)
+        fb(client, run_id, 2, unweighted)
+        error = _failure(client, headers, "optim_step", {"model_id": run_id, "seq_id": 3, **adam})
+        assert "(seq_id 2) failed" in error and "weights" in error, error
+        fb(client, run_id, 4, DATUM)
+        _op(client, headers, "optim_step", {"model_id": run_id, "seq_id": 5, **adam})
+        assert _forward_loss(client, headers, run_id, seq_id=6) == pytest.approx(expected, rel=1e-6)
+        fb(client, run_id, 7, DATUM)
+        fb(client, run_id, 8, unweighted)
+
+    restarted = create_app(settings)  # a new engine that holds no runs
+    with TestClient(restarted) as client:
+        error = _failure(client, headers, "optim_step", {"model_id": run_id, "seq_id": 9, **adam})
+        assert "(seq_id 8) failed" in error, error
+        # Replay left the run as the uninterrupted one was: one step, on one good batch.
+        assert _forward_loss(client, headers, run_id, seq_id=10) == pytest.approx(
+            expected, rel=1e-6
+        )
+        fb(client, run_id, 11, DATUM)
+        _op(client, headers, "optim_step", {"model_id": run_id, "seq_id": 12, **adam})
+        assert _forward_loss(client, headers, run_id, seq_id=13) == pytest.approx(
+            expected_second, rel=1e-6
+        )
