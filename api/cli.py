@@ -98,10 +98,18 @@ def serve(
             f"`treadle-server admin keys create {DEFAULT_TENANT}` makes another",
             soft_wrap=True,
         )
+    key_file = shlex.quote(str(default.path))
+    console.print("  clients read the server and key from the environment:", soft_wrap=True)
     console.print(
-        f"  try: TINKER_BASE_URL={url} TINKER_API_KEY=$(cat {shlex.quote(str(default.path))}) "
-        "python your_loop.py",
+        f"    treadle SDK and `treadle` CLI: export TREADLE_BASE_URL={url} "
+        f"TREADLE_API_KEY=$(cat {key_file})",
         soft_wrap=True,
+        markup=False,
+    )
+    console.print(
+        f"    tinker SDK: export TINKER_BASE_URL={url} TINKER_API_KEY=$(cat {key_file})",
+        soft_wrap=True,
+        markup=False,
     )
     uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
 

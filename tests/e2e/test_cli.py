@@ -106,6 +106,18 @@ def test_serve_shows_the_key_once_and_keeps_its_files_private(tmp_path: Path) ->
     assert (data / "treadle.db").exists()
 
 
+def test_serve_names_the_variables_each_client_reads(tmp_path: Path) -> None:
+    output = _serve_until_listening(tmp_path)
+    key_file = tmp_path / "data" / "default-api-key"
+    for variables in (
+        ("TREADLE_BASE_URL", "TREADLE_API_KEY"),
+        ("TINKER_BASE_URL", "TINKER_API_KEY"),
+    ):
+        line = next(line for line in output.splitlines() if variables[0] in line)
+        assert f"{variables[0]}=http://127.0.0.1:" in line, output
+        assert f"{variables[1]}=$(cat {key_file})" in line, output
+
+
 def test_admin_commands_manage_tenants_and_keys(tmp_path: Path) -> None:
     assert _run(tmp_path, "migrate").returncode == 0
     created = _run(
