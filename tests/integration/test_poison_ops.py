@@ -81,6 +81,14 @@ def _train_step(app: EmbeddedApp, headers: dict[str, str], run_id: str, seq_id: 
     return loss
 
 
+def _step_refused(app: EmbeddedApp, headers: dict[str, str], run_id: str, seq_id: int) -> None:
+    """An optim_step at seq_id after a failed forward_backward fails, as docs/protocol.md says;
+    the run's next window starts afresh."""
+    body = {"model_id": run_id, "seq_id": seq_id, "adam_params": {"learning_rate": 0.05}}
+    refused = app.result(headers, app.submit(headers, "optim_step", body))
+    assert refused["category"] == "user" and "optim_step refused" in refused["error"], refused
+
+
 @dataclasses.dataclass
 class Tenants:
     """A victim, a reference that trains the same run undisturbed, and an attacker."""
@@ -143,7 +151,8 @@ def test_the_api_keeps_the_bomb_out_of_the_engine_and_the_run_in_order(tmp_path:
             assert "weights" in failed["error"] and "[1, 1024]" in failed["error"], failed
             stored = _ops(app)[response.json()["request_id"]]
             assert stored.payload_codec == "json+zstd"  # the refusal, not the body
-        _train_step(app, headers, run_id, 3)
+        _step_refused(app, headers, run_id, 3)
+        _train_step(app, headers, run_id, 4)
 
 
 @pytest.mark.parametrize(
@@ -222,7 +231,8 @@ def test_poison_op_fails_alone_and_its_batch_mates_train_unchanged(tmp_path: Pat
         )
         assert _train_step(app, victim, victim_run, 3) == pytest.approx(expected[1], rel=1e-5)
         # The attacker's own run goes on too.
-        _train_step(app, attacker, attacker_run, 2)
+        _step_refused(app, attacker, attacker_run, 2)
+        _train_step(app, attacker, attacker_run, 3)
 
 
 def _crash_on(run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,7 +280,8 @@ def test_a_step_that_fails_as_a_whole_releases_its_ops_and_gives_up_on_the_culpr
             "optim_step",
             {"model_id": victim_run, "seq_id": 2, "adam_params": {"learning_rate": 0.05}},
         )
-        _train_step(app, attacker, attacker_run, 2)
+        _step_refused(app, attacker, attacker_run, 2)
+        _train_step(app, attacker, attacker_run, 3)
 
 
 def test_ops_left_running_by_a_crash_are_retried_alone_after_a_restart(
@@ -358,4 +369,5 @@ def test_the_worker_holds_logged_bodies_to_the_request_limit(tmp_path: Path) -> 
         app.state.dispatcher.wake()
         failed = app.result(headers, request_id)
         assert failed["category"] == "user" and "exceeds" in failed["error"], failed
-        _train_step(app, headers, run_id, 2)
+        _step_refused(app, headers, run_id, 2)
+        _train_step(app, headers, run_id, 3)
