@@ -80,10 +80,11 @@ def create_session(
         if open_count >= tenant.max_concurrent_sessions:
             raise QuotaExceeded(
                 f"concurrent session limit reached: tenant {tenant.name!r} allows "
-                f"{tenant.max_concurrent_sessions} open sessions and {open_count} are open; "
-                "finish one (ServiceClient.close() or POST /api/v1/sessions/{id}/finish), let an "
-                f"idle one expire ({int(ttl_seconds)} s without heartbeat), or ask the operator to "
-                "raise max_concurrent_sessions"
+                f"{tenant.max_concurrent_sessions} open sessions and {open_count} are open"
+                f"{_describe_open(db, clock, tenant_id, open_count)}; end one with "
+                "`treadle sessions end ID` (or RestClient.end_session(ID), or close() its "
+                f"ServiceClient), let an idle one expire ({int(ttl_seconds)} s without heartbeat), "
+                "or ask the operator to raise max_concurrent_sessions"
             )
         now = clock.now()
         session = Session(
@@ -101,6 +102,44 @@ def create_session(
         )
         db.add(session)
         return session
+
+
+_LISTED_IN_QUOTA_ERROR = 5
+
+
+def _describe_open(db: OrmSession, clock: Clock, tenant_id: str, open_count: int) -> str:
+    """`: ID (opened 5m07s ago, last heartbeat 3s ago), ...` for a few open sessions, the
+    longest silent first (the likeliest to be left over by a process that died)."""
+    rows = db.execute(
+        select(Session.id, Session.created_at, Session.last_heartbeat_at)
+        .where(Session.tenant_id == tenant_id, Session.status == ACTIVE)
+        .order_by(Session.last_heartbeat_at, Session.id)
+        .limit(_LISTED_IN_QUOTA_ERROR)
+    ).all()
+    if not rows:
+        return ""
+    now = clock.now()
+    listed = ", ".join(
+        f"{row.id} (opened {_ago(now, row.created_at)} ago, last heartbeat "
+        f"{_ago(now, row.last_heartbeat_at)} ago)"
+        for row in rows
+    )
+    more = open_count - len(rows)
+    return f": {listed}" + (f" and {more} more (`treadle sessions` lists them)" if more > 0 else "")
+
+
+def _ago(now: datetime, then: datetime) -> str:
+    """A short duration such as `42s`, `5m07s` or `3h12m`."""
+    if then.tzinfo is None and now.tzinfo is not None:
+        then = then.replace(tzinfo=now.tzinfo)
+    seconds = max(0, int((now - then).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 def _owned(db: OrmSession, tenant_id: str, session_id: str) -> Session:
@@ -185,14 +224,26 @@ def get_session(
     return session
 
 
-def list_sessions(db: OrmSession, *, tenant_id: str, limit: int, offset: int) -> list[Session]:
+def list_sessions(
+    db: OrmSession,
+    *,
+    tenant_id: str,
+    limit: int,
+    offset: int,
+    open_within: tuple[Clock, float] | None = None,
+) -> list[Session]:
+    """The tenant's sessions, newest first; with `open_within=(clock, ttl_seconds)` only the
+    open ones (active and heartbeated within the TTL)."""
+    query = select(Session).where(Session.tenant_id == tenant_id)
+    if open_within is not None:
+        clock, ttl_seconds = open_within
+        query = query.where(
+            Session.status == ACTIVE,
+            Session.last_heartbeat_at >= _stale_before(clock, ttl_seconds),
+        )
     return list(
         db.scalars(
-            select(Session)
-            .where(Session.tenant_id == tenant_id)
-            .order_by(Session.created_at.desc(), Session.id)
-            .limit(limit)
-            .offset(offset)
+            query.order_by(Session.created_at.desc(), Session.id).limit(limit).offset(offset)
         )
     )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Query
 
 from api.deps import CurrentPrincipal, DbSession, State
@@ -13,22 +15,14 @@ from treadle.types import (
     CreateSessionResponse,
     FinishSessionRequest,
     FinishSessionResponse,
-    GetSessionResponse,
     ListSessionsResponse,
     SessionHeartbeatRequest,
     SessionHeartbeatResponse,
+    SessionInfo,
 )
 from treadle.types.bounds import MAX_OFFSET
 
 router = APIRouter(prefix="/api/v1", tags=["sessions"])
-
-
-class SessionDetail(GetSessionResponse):
-    """tinker's GetSessionResponse plus Treadle's extras, which the tinker SDK ignores."""
-
-    session_id: str
-    status: str
-    tags: list[str]
 
 
 @router.post(
@@ -101,17 +95,29 @@ def finish_session(
 def list_sessions(
     principal: CurrentPrincipal,
     db: DbSession,
+    state: State,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
     access_scope: str | None = None,
+    status: Literal["open"] | None = Query(
+        None, description="`open`: only sessions still active (a Treadle extension)."
+    ),
 ) -> ListSessionsResponse:
-    rows = sessions.list_sessions(db, tenant_id=principal.tenant_id, limit=limit, offset=offset)
+    rows = sessions.list_sessions(
+        db,
+        tenant_id=principal.tenant_id,
+        limit=limit,
+        offset=offset,
+        open_within=(
+            (state.clock, state.settings.session_ttl_seconds) if status == "open" else None
+        ),
+    )
     return ListSessionsResponse(sessions=[row.id for row in rows])
 
 
 @router.get(
     "/sessions/{session_id}",
-    response_model=SessionDetail,
+    response_model=SessionInfo,
     responses=error_responses(401, 403, 404),
 )
 def get_session(
@@ -120,7 +126,7 @@ def get_session(
     db: DbSession,
     state: State,
     access_scope: str | None = None,
-) -> SessionDetail:
+) -> SessionInfo:
     session = sessions.get_session(
         db,
         state.clock,
@@ -129,9 +135,13 @@ def get_session(
         ttl_seconds=state.settings.session_ttl_seconds,
     )
     run_ids, sampler_ids = sessions.children(db, session.id)
-    return SessionDetail(
+    return SessionInfo(
         session_id=session.id,
         status=session.status,
+        created_at=session.created_at,
+        last_heartbeat_at=session.last_heartbeat_at,
+        ended_at=session.ended_at,
+        end_reason=session.end_reason,
         training_run_ids=run_ids,
         sampler_ids=sampler_ids,
         user_metadata=string_metadata(session.user_metadata),

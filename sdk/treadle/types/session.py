@@ -1,5 +1,6 @@
 """Wire types for the client configuration and session lifecycle endpoints."""
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import Field
@@ -128,6 +129,19 @@ class GetSessionResponse(WireResponse):
     sampler_ids: list[str]
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
+
+
+class SessionInfo(GetSessionResponse):
+    """One session as Treadle reports it: tinker's `GetSessionResponse` fields, plus its id,
+    status (`active`, `finished` or `expired`), tags and times (UTC)."""
+
+    session_id: str
+    status: str
+    tags: list[str] = Field(default_factory=list)
+    created_at: datetime | None = None
+    last_heartbeat_at: datetime | None = None
+    ended_at: datetime | None = None
+    end_reason: str | None = None
 
 
 class AssignSessionProjectRequest(WireRequest):
