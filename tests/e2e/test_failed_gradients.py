@@ -12,9 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 import tinker
+from sqlalchemy import select
 from tinker import types as tinker_types
 
 import treadle
+from billing.tables import UsageEvent
+from core.tables import Operation
 from tests.e2e.conftest import LiveServer
 from treadle import types
 
@@ -137,3 +140,23 @@ def test_failed_forward_only_never_refuses_a_step(
     with pytest.raises(treadle.RequestFailedError):
         forward.result()
     assert (step.result().metrics or {})["grad_norm:mean"] > 0
+
+
+def test_failed_requests_bill_nothing_and_forward_bills_its_tokens(
+    live_server: LiveServer,
+) -> None:
+    tenant = live_server.make_tenant()
+    with treadle.ServiceClient(base_url=live_server.base_url, api_key=tenant.key) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, seed=3)
+        trainer.forward([_treadle_datum()], "cross_entropy").result()
+        trainer.forward_backward([_treadle_datum(weights=False)], "cross_entropy")
+        with pytest.raises(treadle.RequestFailedError):
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    with live_server.database.reader() as db:
+        billed = db.execute(
+            select(Operation.kind, Operation.status, UsageEvent.kind, UsageEvent.quantity)
+            .join(UsageEvent, UsageEvent.operation_id == Operation.id)
+            .where(Operation.tenant_id == tenant.tenant_id)
+        ).all()
+    # Only the forward pass: its datum's model_input tokens, as training.
+    assert billed == [("forward_backward", "done", "training", len(TOKENS) - 1)]
