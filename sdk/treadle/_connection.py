@@ -14,7 +14,12 @@ from typing import Any, TypeVar
 import httpx
 
 from treadle import __version__
-from treadle._http import DEFAULT_TIMEOUT_SECONDS, HttpClient, RetryPolicy
+from treadle._http import (
+    DEFAULT_TIMEOUT_SECONDS,
+    HttpClient,
+    RetryPolicy,
+    first_contact_seconds,
+)
 from treadle._loop import BackgroundLoop
 from treadle.types import ClientConfigResponse
 
@@ -25,7 +30,12 @@ DEFAULT_MAX_CHUNK_BYTES = 5_000_000
 
 
 class Connection:
-    """Everything needed to talk to one server with one API key."""
+    """Everything needed to talk to one server with one API key.
+
+    `connect_timeout` bounds the wait for the server's first answer (None:
+    `$TREADLE_CONNECT_TIMEOUT`, else 10 s); `url_source` says where the URL came from, for the
+    error raised when the server cannot be reached.
+    """
 
     def __init__(
         self,
@@ -36,6 +46,8 @@ class Connection:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
+        connect_timeout: float | None = None,
+        url_source: str = "base_url=",
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
@@ -48,6 +60,8 @@ class Connection:
             timeout=timeout,
             transport=transport,
             headers=headers,
+            first_contact_seconds=first_contact_seconds(connect_timeout),
+            url_source=url_source,
         )
         self._config: ClientConfigResponse | None = None
         self.closed = False
@@ -98,6 +112,6 @@ def shared_connection(base_url: str, api_key: str) -> Connection:
     with _shared_lock:
         connection = _shared.get(key)
         if connection is None or connection.closed:
-            connection = Connection(base_url, api_key)
+            connection = Connection(base_url, api_key, url_source="the unpickled client's base_url")
             _shared[key] = connection
         return connection

@@ -5,6 +5,11 @@ the statuses 408, 409, 429 and 5xx (unless the server says `x-should-retry: fals
 other status raises at once with the server's message (see `treadle.errors`). Retrying a
 submission is safe because the body carries the same `seq_id`, on which the server dedupes.
 
+Until the server has answered once, the retries are bounded by a short first-contact deadline
+(`first_contact_seconds`, default `TREADLE_CONNECT_TIMEOUT` or 10 s), so a wrong or dead URL
+fails in seconds with an error naming the URL and where it came from; after that, transient
+failures get the patient policy (a server restart during a long run is waited out).
+
 This module knows nothing of sessions, futures or the shape of any body.
 """
 
@@ -14,6 +19,7 @@ import asyncio
 import dataclasses
 import email.utils
 import logging
+import os
 import random
 import time
 from collections.abc import Mapping
@@ -26,12 +32,19 @@ from treadle.errors import (
     APIConnectionError,
     APIStatusError,
     APITimeoutError,
+    InvalidArgumentError,
     error_from_response,
 )
 
 logger = logging.getLogger("treadle")
 
 DEFAULT_TIMEOUT_SECONDS = 60.0
+DEFAULT_FIRST_CONTACT_SECONDS = 10.0
+CONNECT_TIMEOUT_ENV = "TREADLE_CONNECT_TIMEOUT"
+_CONNECT_SECONDS = 10.0
+_QUIET_RETRIES = 3
+"""Retries after this many are logged at WARNING (the first ones at INFO)."""
+_GATEWAY_STATUSES = frozenset({502, 503, 504})
 _RETRY_STATUSES = frozenset({408, 409, 429})
 _MAX_RETRY_AFTER_SECONDS = 60.0
 
@@ -65,6 +78,30 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def first_contact_seconds(value: float | None = None) -> float:
+    """The first-contact deadline: `value`, else `$TREADLE_CONNECT_TIMEOUT`, else 10 s.
+
+    Raises:
+        InvalidArgumentError: the value (or the variable) is not a positive number of seconds.
+    """
+    if value is None:
+        raw = os.environ.get(CONNECT_TIMEOUT_ENV)
+        if raw is None or not raw.strip():
+            return DEFAULT_FIRST_CONTACT_SECONDS
+        try:
+            value = float(raw)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{CONNECT_TIMEOUT_ENV}={raw!r} is not a number; set it to the seconds to wait "
+                "for the server's first answer, e.g. 10"
+            ) from None
+    if not value > 0:
+        raise InvalidArgumentError(
+            f"connect_timeout must be a positive number of seconds, got {value!r}"
+        )
+    return value
 
 
 def is_retryable_status(response: httpx.Response) -> bool:
@@ -110,6 +147,9 @@ class HttpClient:
         timeout: default read timeout in seconds.
         transport: an httpx transport to use instead of the network (tests, proxies).
         headers: extra headers sent on every request.
+        first_contact_seconds: until the server first answers, give up after this long.
+        url_source: where `base_url` came from (`base_url=`, `TREADLE_BASE_URL`, ...), named
+            in the error when the server cannot be reached.
     """
 
     def __init__(
@@ -121,9 +161,17 @@ class HttpClient:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
+        first_contact_seconds: float = DEFAULT_FIRST_CONTACT_SECONDS,
+        url_source: str = "base_url=",
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
+        self.first_contact_seconds = first_contact_seconds
+        self.url_source = url_source
+        self.contacted = False
+        """Whether the server has answered yet; until then retries stop at the first-contact
+        deadline."""
+        self._read_timeout = timeout
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             headers={
@@ -132,7 +180,7 @@ class HttpClient:
                 "Accept-Encoding": "gzip, deflate",
                 **(headers or {}),
             },
-            timeout=httpx.Timeout(timeout, connect=10.0),
+            timeout=httpx.Timeout(timeout, connect=_CONNECT_SECONDS),
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
             transport=transport,
         )
@@ -164,10 +212,15 @@ class HttpClient:
         policy = retry or self.retry
         started = time.monotonic()
         attempt = 0
-        extra: dict[str, Any] = {}
-        if timeout is not None:
-            extra["timeout"] = httpx.Timeout(timeout, connect=10.0)
         while True:
+            first_contact = not self.contacted
+            deadline = policy.max_elapsed_seconds
+            if first_contact:
+                deadline = min(deadline, self.first_contact_seconds)
+                policy = dataclasses.replace(policy, max_elapsed_seconds=deadline)
+            connect = _CONNECT_SECONDS
+            if first_contact:
+                connect = max(0.1, min(connect, started + deadline - time.monotonic()))
             try:
                 response = await self._client.request(
                     method,
@@ -176,31 +229,48 @@ class HttpClient:
                     content=content,
                     headers=headers,
                     params=params,
-                    **extra,
+                    timeout=httpx.Timeout(
+                        self._read_timeout if timeout is None else timeout, connect=connect
+                    ),
                 )
             except httpx.TransportError as exc:
-                error = _connection_error(exc)
+                error = self._connection_error(exc, first_contact, time.monotonic() - started)
                 may_retry = idempotent or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
                 wait = policy.backoff(attempt)
                 if not may_retry or not policy.allows(attempt, started, wait):
                     raise error from exc
-                logger.info("%s %s failed (%s); retrying in %.1fs", method, path, exc, wait)
+                self._log_retry(attempt, "%s %s failed (%s)", method, path, exc, wait=wait)
             else:
+                if response.status_code not in _GATEWAY_STATUSES:
+                    self.contacted = True
                 if response.is_success:
                     return response
                 status_error = error_from_response(response)
                 wait = retry_after_seconds(response) or policy.backoff(attempt)
                 if not is_retryable_status(response) or not policy.allows(attempt, started, wait):
                     raise status_error
-                logger.info(
-                    "%s %s answered %d; retrying in %.1fs",
-                    method,
-                    path,
-                    response.status_code,
-                    wait,
+                self._log_retry(
+                    attempt, "%s %s answered %d", method, path, response.status_code, wait=wait
                 )
             await asyncio.sleep(wait)
             attempt += 1
+
+    def _log_retry(self, attempt: int, message: str, *args: object, wait: float) -> None:
+        level = logging.INFO if attempt < _QUIET_RETRIES else logging.WARNING
+        where = "" if self.contacted else f" (server {self.base_url}, not reached yet)"
+        logger.log(level, message + "%s; retry %d in %.1fs", *args, where, attempt + 1, wait)
+
+    def _connection_error(
+        self, exc: httpx.TransportError, first_contact: bool, elapsed: float
+    ) -> APIConnectionError:
+        if not first_contact:
+            return _connection_error(exc)
+        cls = APITimeoutError if isinstance(exc, httpx.TimeoutException) else APIConnectionError
+        return cls(
+            f"could not reach the Treadle server at {self.base_url} (set by {self.url_source}) "
+            f"within {elapsed:.0f}s: {exc!r}; check that the server is running and that the URL "
+            f"is right, or set {CONNECT_TIMEOUT_ENV} (connect_timeout=) to wait longer"
+        )
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -213,11 +283,14 @@ def _connection_error(exc: httpx.TransportError) -> APIConnectionError:
 
 
 __all__ = [
+    "CONNECT_TIMEOUT_ENV",
+    "DEFAULT_FIRST_CONTACT_SECONDS",
     "DEFAULT_TIMEOUT_SECONDS",
     "NO_RETRY",
     "APIStatusError",
     "HttpClient",
     "RetryPolicy",
+    "first_contact_seconds",
     "is_retryable_status",
     "retry_after_seconds",
 ]

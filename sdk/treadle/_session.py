@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Literal
 
-from treadle import __version__
+from treadle import __version__, _exit
 from treadle._connection import Connection
 from treadle._http import NO_RETRY
 from treadle.errors import APIStatusError, SessionExpiredError, TreadleError
@@ -100,6 +100,7 @@ class Session:
                     if text:
                         logger.log(level, "%s", text)
                 self._session_id = created.session_id
+                _exit.register(self)
                 self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
         return self._session_id
 
@@ -150,8 +151,15 @@ class Session:
             )
         return since
 
-    async def finish(self, status: FinishStatus = "success", detail: str | None = None) -> None:
+    async def finish(
+        self,
+        status: FinishStatus = "success",
+        detail: str | None = None,
+        *,
+        max_seconds: float = _FINISH_MAX_SECONDS,
+    ) -> None:
         """End the session on the server (first reason wins) and stop the heartbeat."""
+        _exit.unregister(self)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -167,8 +175,6 @@ class Session:
             json={"reason": {"type": status}, "detail": detail},
             retry=dataclasses.replace(
                 self.connection.retry,
-                max_elapsed_seconds=min(
-                    _FINISH_MAX_SECONDS, self.connection.retry.max_elapsed_seconds
-                ),
+                max_elapsed_seconds=min(max_seconds, self.connection.retry.max_elapsed_seconds),
             ),
         )

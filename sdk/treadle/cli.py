@@ -1,18 +1,23 @@
 """The `treadle` command: look at your training runs and checkpoints, download checkpoints.
 
-The server and key come from `--base-url` / `--api-key` or `TREADLE_BASE_URL` /
-`TREADLE_API_KEY`. Errors print the server's message and exit with status 1.
+The server and key come from `--base-url` / `--api-key` (before the command, as in
+`treadle --base-url URL runs`, or after it) or `TREADLE_BASE_URL` / `TREADLE_API_KEY`. Every
+listing prints a table, or with `--json` one JSON document, or with `--plain` one
+tab-separated line per item (no header, never wrapped). Errors print the server's message and
+exit with status 1.
 
 This module is the only one that imports typer and rich; the library itself never does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import os
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -27,7 +32,9 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from treadle._connection import Connection
 from treadle.client.rest import RestClient
+from treadle.client.service import resolve_base_url, resolve_credentials
 from treadle.errors import TreadleError
 from treadle.types import Checkpoint
 
@@ -41,27 +48,111 @@ app = typer.Typer(
 console = Console(emoji=False, highlight=False)
 errors = Console(stderr=True, emoji=False, highlight=False)
 
+# The environment is read by the options before the command, so that one given there is not
+# overridden by a variable read here.
 BaseUrl = Annotated[
-    str | None, typer.Option("--base-url", envvar="TREADLE_BASE_URL", help="The Treadle server.")
+    str | None,
+    typer.Option("--base-url", help="The Treadle server (default: $TREADLE_BASE_URL)."),
 ]
 ApiKey = Annotated[
     str | None,
-    typer.Option("--api-key", envvar="TREADLE_API_KEY", help="Your API key (tml-...)."),
+    typer.Option("--api-key", help="Your API key, tml-... (default: $TREADLE_API_KEY)."),
 ]
+
+
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")]
+Plain = Annotated[
+    bool,
+    typer.Option(
+        "--plain",
+        help="Print one tab-separated line per item (no header, never wrapped), for scripts.",
+    ),
+]
+
+
+# The options given before the command; read by `_rest` when the command has none of its own.
+_before_command: dict[str, str | None] = {}
+
+
+@app.callback()
+def _global_options(
+    base_url: Annotated[
+        str | None,
+        typer.Option("--base-url", envvar="TREADLE_BASE_URL", help="The Treadle server."),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option("--api-key", envvar="TREADLE_API_KEY", help="Your API key (tml-...)."),
+    ] = None,
+) -> None:
+    """Look at your Treadle training runs and checkpoints, and download checkpoints.
+
+    --base-url and --api-key may come before the command (`treadle --base-url URL runs`)
+    or after it; after it wins.
+    """
+    _before_command.clear()
+    _before_command.update(base_url=base_url, api_key=api_key)
 
 
 @contextmanager
 def _rest(base_url: str | None, api_key: str | None) -> Iterator[RestClient]:
+    base_url = base_url if base_url is not None else _before_command.get("base_url")
+    api_key = api_key if api_key is not None else _before_command.get("api_key")
     try:
-        with RestClient(base_url=base_url, api_key=api_key) as rest:
-            yield rest
+        url, key = resolve_credentials(base_url, api_key)
+        try:
+            connection = Connection(url, key, url_source=_url_source(base_url))
+        except ValueError as exc:  # a malformed TREADLE_CONNECT_TIMEOUT
+            errors.print(Text.assemble(("error: ", "red"), str(exc)))
+            raise typer.Exit(2) from exc
+        try:
+            yield RestClient(connection)
+        finally:
+            connection.close()
     except TreadleError as exc:
         errors.print(Text.assemble(("error: ", "red"), str(exc)))
         raise typer.Exit(1) from exc
 
 
+def _url_source(base_url: str | None) -> str:
+    """What set the server URL, for the error when it cannot be reached."""
+    if base_url is None:
+        return resolve_base_url(None)[1]
+    if base_url == os.environ.get("TREADLE_BASE_URL"):
+        return "TREADLE_BASE_URL"
+    return "--base-url"
+
+
 def _cells(*values: str) -> list[Text]:
     return [Text(value) for value in values]
+
+
+def _show(
+    table: Table,
+    rows: Sequence[Sequence[str]],
+    plain_rows: Sequence[Sequence[str]],
+    document: Any,
+    *,
+    as_json: bool,
+    plain: bool,
+) -> None:
+    """Print a listing as a table, one JSON document (`--json`) or tab-separated lines."""
+    if as_json and plain:
+        errors.print(Text.assemble(("error: ", "red"), "pass --json or --plain, not both"))
+        raise typer.Exit(2)
+    if as_json:
+        typer.echo(json.dumps(document, indent=2, default=str))
+    elif plain:
+        for row in plain_rows:
+            typer.echo("\t".join(" ".join(cell.split()) or "-" for cell in row))
+    else:
+        for row in rows:
+            table.add_row(*_cells(*row))
+        console.print(table)
+
+
+def _iso(moment: datetime | None) -> str:
+    return moment.isoformat() if moment else "-"
 
 
 def _when(moment: datetime | None) -> str:
@@ -85,25 +176,33 @@ def runs(
     api_key: ApiKey = None,
     limit: Annotated[int, typer.Option(help="How many runs to show.")] = 20,
     offset: Annotated[int, typer.Option(help="Skip this many of the newest runs.")] = 0,
+    as_json: AsJson = False,
+    plain: Plain = False,
 ) -> None:
-    """List your training runs, newest first."""
+    """List your training runs, newest first.
+
+    --plain columns: run id, base model, rank, last request (ISO 8601), last checkpoint.
+    """
     with _rest(base_url, api_key) as rest:
-        listing = rest.list_training_runs(limit=limit, offset=offset)
+        listing = rest.list_training_runs(limit=limit, offset=offset).result()
     table = Table(title=f"training runs ({listing.cursor.total_count} in all)")
     for column in ("run id", "base model", "rank", "last request", "last checkpoint"):
         table.add_column(column, overflow="fold")
+    rows, plain_rows = [], []
     for run in listing.training_runs:
         last = run.last_checkpoint or run.last_sampler_checkpoint
-        table.add_row(
-            *_cells(
-                run.training_run_id,
-                run.base_model,
-                str(run.lora_rank or "-"),
-                _when(run.last_request_time),
-                last.tinker_path if last else "-",
-            )
-        )
-    console.print(table)
+        cells = [run.training_run_id, run.base_model, str(run.lora_rank or "-")]
+        last_path = last.tinker_path if last else "-"
+        rows.append([*cells, _when(run.last_request_time), last_path])
+        plain_rows.append([*cells, _iso(run.last_request_time), last_path])
+    _show(
+        table,
+        rows,
+        plain_rows,
+        listing.model_dump(mode="json"),
+        as_json=as_json,
+        plain=plain,
+    )
 
 
 @app.command()
@@ -114,28 +213,40 @@ def checkpoints(
     base_url: BaseUrl = None,
     api_key: ApiKey = None,
     limit: Annotated[int, typer.Option(help="How many checkpoints to show.")] = 100,
+    offset: Annotated[int, typer.Option(help="Skip this many of the newest checkpoints.")] = 0,
+    as_json: AsJson = False,
+    plain: Plain = False,
 ) -> None:
-    """List your checkpoints (all runs, or one with --run), newest first."""
+    """List your checkpoints (all runs, or one with --run), newest first.
+
+    --plain columns: path, type, saved (ISO 8601), size in bytes, expires, public (yes/no).
+    """
     with _rest(base_url, api_key) as rest:
         if run is not None:
-            found: list[Checkpoint] = rest.list_checkpoints(run).checkpoints
+            found: list[Checkpoint] = rest.list_checkpoints(run).result().checkpoints
+            found = found[offset : offset + limit]
         else:
-            found = rest.list_user_checkpoints(limit=limit).checkpoints
+            found = rest.list_user_checkpoints(limit=limit, offset=offset).result().checkpoints
     table = Table(title="checkpoints")
     for column in ("path", "type", "saved", "size", "expires", "public"):
         table.add_column(column, overflow="fold")
+    rows, plain_rows = [], []
     for checkpoint in found:
-        table.add_row(
-            *_cells(
-                checkpoint.tinker_path,
-                checkpoint.checkpoint_type,
+        public = "yes" if checkpoint.public else "no"
+        head = [checkpoint.tinker_path, checkpoint.checkpoint_type]
+        rows.append(
+            [
+                *head,
                 _when(checkpoint.time),
                 _size(checkpoint.size_bytes),
                 _when(checkpoint.expires_at),
-                "yes" if checkpoint.public else "no",
-            )
+                public,
+            ]
         )
-    console.print(table)
+        size = "-" if checkpoint.size_bytes is None else str(checkpoint.size_bytes)
+        plain_rows.append([*head, _iso(checkpoint.time), size, _iso(checkpoint.expires_at), public])
+    document = {"checkpoints": [c.model_dump(mode="json") for c in found]}
+    _show(table, rows, plain_rows, document, as_json=as_json, plain=plain)
 
 
 @app.command()
@@ -166,7 +277,7 @@ def download(
 
     with _rest(base_url, api_key) as rest, progress:
         try:
-            folder = rest.download_checkpoint(path, destination, on_progress)
+            folder = rest.download_checkpoint(path, destination, on_progress).result()
         except ValueError as exc:
             errors.print(Text.assemble(("error: ", "red"), str(exc)))
             raise typer.Exit(2) from exc
@@ -180,18 +291,122 @@ def usage(
     since: Annotated[
         datetime | None, typer.Option(help="Only usage from this UTC time on (e.g. 2026-11-01).")
     ] = None,
+    until: Annotated[
+        datetime | None,
+        typer.Option(help="Only usage before this UTC time (e.g. 2026-12-01)."),
+    ] = None,
+    as_json: AsJson = False,
+    plain: Plain = False,
 ) -> None:
-    """Show the tokens and saves billed to your account, per base model."""
-    start = since.replace(tzinfo=UTC) if since is not None and since.tzinfo is None else since
+    """Show the tokens and saves billed to your account, per base model.
+
+    --plain columns: base model, kind, quantity.
+    """
+    start, end = _utc(since), _utc(until)
     with _rest(base_url, api_key) as rest:
-        report = rest.get_usage(since=start)
+        report = rest.get_usage(since=start, until=end).result()
     title = "usage" + (f" since {start.isoformat(timespec='minutes')}" if start else "")
+    title += f" until {end.isoformat(timespec='minutes')}" if end else ""
     table = Table(title=title)
     for column in ("base model", "kind", "quantity"):
         table.add_column(column, overflow="fold")
-    for line in report.lines:
-        table.add_row(*_cells(line.base_model, line.kind, f"{line.quantity:,}"))
-    console.print(table)
+    rows = [[line.base_model, line.kind, f"{line.quantity:,}"] for line in report.lines]
+    plain_rows = [[line.base_model, line.kind, str(line.quantity)] for line in report.lines]
+    _show(
+        table,
+        rows,
+        plain_rows,
+        report.model_dump(mode="json"),
+        as_json=as_json,
+        plain=plain,
+    )
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A naive time from the command line, read as UTC."""
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
+
+
+sessions_app = typer.Typer(
+    help="List your open sessions (each holds a slot of your concurrent-session quota) or end "
+    "one, e.g. one left open by a process that was killed.",
+    no_args_is_help=False,
+)
+app.add_typer(sessions_app, name="sessions")
+
+
+def _ago(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return "-"
+    seconds = max(0, int((now - moment).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s ago"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s ago"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m ago"
+
+
+@sessions_app.callback(invoke_without_command=True)
+def sessions(
+    ctx: typer.Context,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+    limit: Annotated[int, typer.Option(help="How many sessions to show.")] = 100,
+    as_json: AsJson = False,
+    plain: Plain = False,
+) -> None:
+    """List your open sessions, newest first; `treadle sessions end ID` ends one.
+
+    --plain columns: session id, opened (ISO 8601), last heartbeat (ISO 8601), training runs,
+    samplers, display name.
+    """
+    if ctx.invoked_subcommand is not None:  # `treadle sessions --base-url URL end ID`
+        for name, value in (("base_url", base_url), ("api_key", api_key)):
+            if value is not None:
+                _before_command[name] = value
+        return
+    with _rest(base_url, api_key) as rest:
+        found = rest.list_open_sessions(limit=limit).result()
+    now = datetime.now(UTC)
+    table = Table(title=f"open sessions ({len(found)})")
+    for column in ("session id", "opened", "last heartbeat", "runs", "samplers", "name"):
+        table.add_column(column, overflow="fold")
+    rows, plain_rows = [], []
+    for info in found:
+        counts = [str(len(info.training_run_ids)), str(len(info.sampler_ids))]
+        name = info.display_name or "-"
+        rows.append(
+            [
+                info.session_id,
+                _ago(info.created_at, now),
+                _ago(info.last_heartbeat_at, now),
+                *counts,
+                name,
+            ]
+        )
+        plain_rows.append(
+            [
+                info.session_id,
+                _iso(info.created_at),
+                _iso(info.last_heartbeat_at),
+                *counts,
+                name,
+            ]
+        )
+    document = {"sessions": [info.model_dump(mode="json") for info in found]}
+    _show(table, rows, plain_rows, document, as_json=as_json, plain=plain)
+
+
+@sessions_app.command("end")
+def end_session(
+    session_id: Annotated[str, typer.Argument(help="The session, as `treadle sessions` lists it.")],
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """End a session: frees its quota slot and unloads its training runs (checkpoints stay)."""
+    with _rest(base_url, api_key) as rest:
+        ended = rest.end_session(session_id).result()
+    console.print(Text(f"session {ended.session_id} is {ended.status}"))
 
 
 def main() -> None:

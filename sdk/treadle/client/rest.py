@@ -1,28 +1,32 @@
 """RestClient: list and manage training runs and checkpoints, and download checkpoint files.
 
 These calls need no session. Checkpoints are addressed by their `tinker://` path throughout.
-Every method has an `*_async` twin for asyncio code.
+As in tinker's SDK, every method returns an `APIFuture` at once (`.result()` waits for the
+answer, `await` works too), and has an `*_async` twin that returns the value itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 
 from treadle._connection import Connection
 from treadle.errors import APIConnectionError, error_from_response
+from treadle.futures import APIFuture
 from treadle.types import (
     CheckpointPath,
     CheckpointsListResponse,
     ExternalWeightsUrlsResponse,
-    GetSessionResponse,
+    FinishSessionResponse,
     ListSessionsResponse,
     ServerCapabilities,
+    SessionInfo,
     TrainingRun,
     TrainingRunsResponse,
     UsageReport,
@@ -30,6 +34,7 @@ from treadle.types import (
 )
 
 T = TypeVar("T")
+AccessScope = Literal["owned", "accessible"]
 ProgressFn = Callable[[str, int, int | None], None]
 """`(relative file path, bytes received so far, file size or None)`."""
 
@@ -39,6 +44,7 @@ class RestClient:
 
     Create it with `ServiceClient.create_rest_client()`, or on its own with
     `RestClient(base_url=..., api_key=...)` (then close it, or use it as a context manager).
+    On its own, `base_url`, `api_key` and `connect_timeout` default as for `ServiceClient`.
     """
 
     def __init__(
@@ -47,12 +53,18 @@ class RestClient:
         *,
         base_url: str | None = None,
         api_key: str | None = None,
+        connect_timeout: float | None = None,
     ) -> None:
         if connection is None:
-            from treadle.client.service import resolve_credentials
+            from treadle.client.service import resolve_base_url, resolve_credentials
 
             url, key = resolve_credentials(base_url, api_key)
-            connection = Connection(url, key)
+            connection = Connection(
+                url,
+                key,
+                connect_timeout=connect_timeout,
+                url_source=resolve_base_url(base_url)[1],
+            )
             self._owns_connection = True
         else:
             self._owns_connection = False
@@ -74,8 +86,8 @@ class RestClient:
         if self._owns_connection:
             self._conn.close()
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self._conn.run(coro)
+    def _future(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
+        return APIFuture(self._conn.loop.spawn(coro))
 
     async def _get(self, path: str, model: type[T], **params: Any) -> T:
         response = await self._conn.http.request("GET", path, params=params or None)
@@ -86,9 +98,9 @@ class RestClient:
 
     # -- server -----------------------------------------------------------------------------
 
-    def get_server_capabilities(self) -> ServerCapabilities:
+    def get_server_capabilities(self) -> APIFuture[ServerCapabilities]:
         """The base models the server offers."""
-        return self._run(self.get_server_capabilities_async())
+        return self._future(self.get_server_capabilities_async())
 
     async def get_server_capabilities_async(self) -> ServerCapabilities:
         return await self._conn.call(
@@ -97,9 +109,11 @@ class RestClient:
 
     # -- training runs ----------------------------------------------------------------------
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0) -> TrainingRunsResponse:
+    def list_training_runs(
+        self, limit: int = 20, offset: int = 0
+    ) -> APIFuture[TrainingRunsResponse]:
         """The caller's training runs, newest first (`cursor.total_count` counts them all)."""
-        return self._run(self.list_training_runs_async(limit, offset))
+        return self._future(self.list_training_runs_async(limit, offset))
 
     async def list_training_runs_async(
         self, limit: int = 20, offset: int = 0
@@ -108,28 +122,58 @@ class RestClient:
             self._get("/api/v1/training_runs", TrainingRunsResponse, limit=limit, offset=offset)
         )
 
-    def get_training_run(self, run_id: str) -> TrainingRun:
-        """One training run. Raises NotFoundError for unknown or foreign ids."""
-        return self._run(self.get_training_run_async(run_id))
+    def get_training_run(
+        self, training_run_id: str, access_scope: AccessScope = "owned"
+    ) -> APIFuture[TrainingRun]:
+        """One training run.
 
-    async def get_training_run_async(self, run_id: str) -> TrainingRun:
-        return await self._conn.call(self._get(f"/api/v1/training_runs/{run_id}", TrainingRun))
+        Args:
+            training_run_id: the run's id (its training client's `model_id`).
+            access_scope: `owned` (yours only) or `accessible` (also another tenant's run that
+                has a published checkpoint).
 
-    def get_training_run_by_tinker_path(self, path: str) -> TrainingRun:
-        """The run a checkpoint belongs to. Raises ValueError for a malformed path."""
-        return self.get_training_run(CheckpointPath.parse(path).training_run_id)
+        Raises:
+            NotFoundError: through the future, for an unknown id or one not in scope.
+        """
+        return self._future(self.get_training_run_async(training_run_id, access_scope))
+
+    async def get_training_run_async(
+        self, training_run_id: str, access_scope: AccessScope = "owned"
+    ) -> TrainingRun:
+        return await self._conn.call(
+            self._get(
+                f"/api/v1/training_runs/{training_run_id}", TrainingRun, access_scope=access_scope
+            )
+        )
+
+    def get_training_run_by_tinker_path(
+        self, tinker_path: str, access_scope: AccessScope = "owned"
+    ) -> APIFuture[TrainingRun]:
+        """The run a checkpoint belongs to (`access_scope` as for `get_training_run`).
+
+        Raises:
+            InvalidArgumentError: at once, for a malformed path.
+        """
+        run_id = CheckpointPath.parse(tinker_path).training_run_id
+        return self.get_training_run(run_id, access_scope)
+
+    async def get_training_run_by_tinker_path_async(
+        self, tinker_path: str, access_scope: AccessScope = "owned"
+    ) -> TrainingRun:
+        run_id = CheckpointPath.parse(tinker_path).training_run_id
+        return await self.get_training_run_async(run_id, access_scope)
 
     # -- usage ------------------------------------------------------------------------------
 
     def get_usage(
         self, since: datetime | None = None, until: datetime | None = None
-    ) -> UsageReport:
+    ) -> APIFuture[UsageReport]:
         """Tokens and saves billed to the caller's tenant, per base model and kind.
 
         Args:
             since, until: limit the report to [since, until) (aware datetimes).
         """
-        return self._run(self.get_usage_async(since, until))
+        return self._future(self.get_usage_async(since, until))
 
     async def get_usage_async(
         self, since: datetime | None = None, until: datetime | None = None
@@ -141,18 +185,22 @@ class RestClient:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def list_checkpoints(self, run_id: str) -> CheckpointsListResponse:
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
         """The live checkpoints of one run."""
-        return self._run(self.list_checkpoints_async(run_id))
+        return self._future(self.list_checkpoints_async(training_run_id))
 
-    async def list_checkpoints_async(self, run_id: str) -> CheckpointsListResponse:
+    async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
         return await self._conn.call(
-            self._get(f"/api/v1/training_runs/{run_id}/checkpoints", CheckpointsListResponse)
+            self._get(
+                f"/api/v1/training_runs/{training_run_id}/checkpoints", CheckpointsListResponse
+            )
         )
 
-    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
+    def list_user_checkpoints(
+        self, limit: int = 100, offset: int = 0
+    ) -> APIFuture[CheckpointsListResponse]:
         """The caller's live checkpoints across all runs, newest first."""
-        return self._run(self.list_user_checkpoints_async(limit, offset))
+        return self._future(self.list_user_checkpoints_async(limit, offset))
 
     async def list_user_checkpoints_async(
         self, limit: int = 100, offset: int = 0
@@ -161,39 +209,47 @@ class RestClient:
             self._get("/api/v1/checkpoints", CheckpointsListResponse, limit=limit, offset=offset)
         )
 
-    def delete_checkpoint(self, path: str) -> None:
-        """Delete a checkpoint and its files."""
-        self._run(self.delete_checkpoint_async(path))
+    def delete_checkpoint(self, path: str, checkpoint_id: str | None = None) -> APIFuture[None]:
+        """Delete a checkpoint and its files.
 
-    async def delete_checkpoint_async(self, path: str) -> None:
+        Args:
+            path: the checkpoint's `tinker://` path; or, with `checkpoint_id`, its run's id
+                (tinker's `delete_checkpoint(training_run_id, checkpoint_id)` form).
+            checkpoint_id: e.g. `weights/step-20`, when `path` is a run id.
+        """
+        return self._future(self.delete_checkpoint_async(path, checkpoint_id))
+
+    async def delete_checkpoint_async(self, path: str, checkpoint_id: str | None = None) -> None:
+        if checkpoint_id is not None:
+            path = f"tinker://{path}/{checkpoint_id}"
         await self._conn.call(self._send("DELETE", _checkpoint_url(path)))
 
-    def publish_checkpoint(self, path: str) -> None:
+    def publish_checkpoint(self, path: str) -> APIFuture[None]:
         """Make a checkpoint readable by other tenants (by its path)."""
-        self._run(self.publish_checkpoint_async(path))
+        return self._future(self.publish_checkpoint_async(path))
 
     async def publish_checkpoint_async(self, path: str) -> None:
         await self._conn.call(self._send("POST", _checkpoint_url(path) + "/publish"))
 
-    def unpublish_checkpoint(self, path: str) -> None:
+    def unpublish_checkpoint(self, path: str) -> APIFuture[None]:
         """Make a published checkpoint private again."""
-        self._run(self.unpublish_checkpoint_async(path))
+        return self._future(self.unpublish_checkpoint_async(path))
 
     async def unpublish_checkpoint_async(self, path: str) -> None:
         await self._conn.call(self._send("DELETE", _checkpoint_url(path) + "/publish"))
 
-    def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> None:
+    def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> APIFuture[None]:
         """Expire the checkpoint `ttl_seconds` from now (1 h to 10 years); None keeps it."""
-        self._run(self.set_checkpoint_ttl_async(path, ttl_seconds))
+        return self._future(self.set_checkpoint_ttl_async(path, ttl_seconds))
 
     async def set_checkpoint_ttl_async(self, path: str, ttl_seconds: int | None) -> None:
         await self._conn.call(
             self._send("PUT", _checkpoint_url(path) + "/ttl", {"ttl_seconds": ttl_seconds})
         )
 
-    def get_weights_info(self, path: str) -> WeightsInfoResponse:
+    def get_weights_info(self, path: str) -> APIFuture[WeightsInfoResponse]:
         """Base model and LoRA shape of a checkpoint."""
-        return self._run(self.get_weights_info_async(path))
+        return self._future(self.get_weights_info_async(path))
 
     async def get_weights_info_async(self, path: str) -> WeightsInfoResponse:
         async def fetch() -> WeightsInfoResponse:
@@ -204,18 +260,22 @@ class RestClient:
 
         return await self._conn.call(fetch())
 
-    def get_external_weights_urls(self, path: str) -> ExternalWeightsUrlsResponse:
+    def get_external_weights_urls(self, tinker_path: str) -> APIFuture[ExternalWeightsUrlsResponse]:
         """Signed, expiring download URLs for each file of a checkpoint."""
-        return self._run(self.get_external_weights_urls_async(path))
+        return self._future(self.get_external_weights_urls_async(tinker_path))
 
-    async def get_external_weights_urls_async(self, path: str) -> ExternalWeightsUrlsResponse:
+    async def get_external_weights_urls_async(
+        self, tinker_path: str
+    ) -> ExternalWeightsUrlsResponse:
         return await self._conn.call(
-            self._get(_checkpoint_url(path) + "/external_weights_urls", ExternalWeightsUrlsResponse)
+            self._get(
+                _checkpoint_url(tinker_path) + "/external_weights_urls", ExternalWeightsUrlsResponse
+            )
         )
 
     def download_checkpoint(
         self, path: str, destination: str | Path, on_progress: ProgressFn | None = None
-    ) -> Path:
+    ) -> APIFuture[Path]:
         """Download every file of a checkpoint into `destination` (created if missing).
 
         Args:
@@ -228,7 +288,7 @@ class RestClient:
             NotFoundError: no such checkpoint, or its files are gone.
             APIConnectionError: a download failed midway.
         """
-        return self._run(self._download(path, Path(destination), on_progress))
+        return self._future(self._download(path, Path(destination), on_progress))
 
     async def download_checkpoint_async(
         self, path: str, destination: str | Path, on_progress: ProgressFn | None = None
@@ -270,25 +330,131 @@ class RestClient:
 
     # -- sessions ---------------------------------------------------------------------------
 
-    def list_sessions(self, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
+    def list_sessions(self, limit: int = 20, offset: int = 0) -> APIFuture[ListSessionsResponse]:
         """Ids of the caller's sessions, newest first."""
-        return self._run(self.list_sessions_async(limit, offset))
+        return self._future(self.list_sessions_async(limit, offset))
 
     async def list_sessions_async(self, limit: int = 20, offset: int = 0) -> ListSessionsResponse:
         return await self._conn.call(
             self._get("/api/v1/sessions", ListSessionsResponse, limit=limit, offset=offset)
         )
 
-    def get_session(self, session_id: str) -> GetSessionResponse:
-        """The training runs and samplers of one session."""
-        return self._run(self.get_session_async(session_id))
+    def get_session(self, session_id: str) -> APIFuture[SessionInfo]:
+        """One session: its training runs and samplers (tinker's fields), status and times.
 
-    async def get_session_async(self, session_id: str) -> GetSessionResponse:
-        return await self._conn.call(
-            self._get(f"/api/v1/sessions/{session_id}", GetSessionResponse)
-        )
+        Raises:
+            NotFoundError: no such session (or not yours).
+        """
+        return self._future(self.get_session_async(session_id))
+
+    async def get_session_async(self, session_id: str) -> SessionInfo:
+        return await self._conn.call(self._get(f"/api/v1/sessions/{session_id}", SessionInfo))
+
+    def list_open_sessions(self, limit: int = 100) -> APIFuture[list[SessionInfo]]:
+        """The caller's open sessions (each holds a slot of the concurrent-session quota),
+        newest first, with their age and last heartbeat.
+
+        Args:
+            limit: list at most this many.
+
+        Returns:
+            A future of the sessions' `SessionInfo` (id, status, created_at,
+            last_heartbeat_at, training runs, samplers, tags).
+
+        Raises:
+            AuthenticationError: the API key is not valid.
+            APIConnectionError: the server cannot be reached.
+        """
+        return self._future(self.list_open_sessions_async(limit))
+
+    async def list_open_sessions_async(self, limit: int = 100) -> list[SessionInfo]:
+        """`list_open_sessions` for asyncio code."""
+
+        async def fetch() -> list[SessionInfo]:
+            listing = await self._get(
+                "/api/v1/sessions", ListSessionsResponse, limit=limit, status="open"
+            )
+            found = await asyncio.gather(
+                *(self._get(f"/api/v1/sessions/{sid}", SessionInfo) for sid in listing.sessions),
+                return_exceptions=True,
+            )
+            # A session finished between the two calls reads as not found: leave it out.
+            return [
+                info for info in found if isinstance(info, SessionInfo) and info.status == "active"
+            ]
+
+        return await self._conn.call(fetch())
+
+    def end_session(self, session_id: str) -> APIFuture[FinishSessionResponse]:
+        """End one of the caller's sessions, e.g. one left open by a process that was killed,
+        which frees its slot of the concurrent-session quota at once. Its training runs are
+        unloaded; their saved checkpoints stay. Ending an ended session changes nothing.
+
+        Args:
+            session_id: the session, as `list_open_sessions()` or the quota error names it.
+
+        Returns:
+            A future of the session's id and status after the call (`finished`, or `expired`
+            when it had already timed out).
+
+        Raises:
+            NotFoundError: no such session (or not yours).
+            APIConnectionError: the server cannot be reached.
+        """
+        return self._future(self.end_session_async(session_id))
+
+    async def end_session_async(self, session_id: str) -> FinishSessionResponse:
+        """`end_session` for asyncio code."""
+
+        async def finish() -> FinishSessionResponse:
+            response = await self._conn.http.request(
+                "POST",
+                f"/api/v1/sessions/{session_id}/finish",
+                json={"reason": {"type": "interrupted"}, "detail": "ended with end_session"},
+            )
+            return FinishSessionResponse.model_validate(response.json())
+
+        return await self._conn.call(finish())
+
+    # -- tinker's names for the path-addressed calls ----------------------------------------
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """`delete_checkpoint(tinker_path)` under tinker's name."""
+        return self.delete_checkpoint(tinker_path)
+
+    async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        await self.delete_checkpoint_async(tinker_path)
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """`publish_checkpoint(tinker_path)` under tinker's name."""
+        return self.publish_checkpoint(tinker_path)
+
+    async def publish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        await self.publish_checkpoint_async(tinker_path)
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """`unpublish_checkpoint(tinker_path)` under tinker's name."""
+        return self.unpublish_checkpoint(tinker_path)
+
+    async def unpublish_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        await self.unpublish_checkpoint_async(tinker_path)
+
+    def set_checkpoint_ttl_from_tinker_path(
+        self, tinker_path: str, ttl_seconds: int | None
+    ) -> APIFuture[None]:
+        """`set_checkpoint_ttl(tinker_path, ttl_seconds)` under tinker's name."""
+        return self.set_checkpoint_ttl(tinker_path, ttl_seconds)
+
+    async def set_checkpoint_ttl_from_tinker_path_async(
+        self, tinker_path: str, ttl_seconds: int | None
+    ) -> None:
+        await self.set_checkpoint_ttl_async(tinker_path, ttl_seconds)
+
+    def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
+        """`get_weights_info(tinker_path)` under tinker's name."""
+        return self.get_weights_info(tinker_path)
 
 
-def _checkpoint_url(path: str) -> str:
-    parsed = CheckpointPath.parse(path)
+def _checkpoint_url(tinker_path: str) -> str:
+    parsed = CheckpointPath.parse(tinker_path)
     return f"/api/v1/training_runs/{parsed.training_run_id}/checkpoints/{parsed.checkpoint_id}"

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from treadle import _exit
+from treadle._checks import build, check_type
 from treadle._connection import Connection
 from treadle._http import DEFAULT_TIMEOUT_SECONDS, RetryPolicy
 from treadle._polling import retrieve, submit
@@ -27,6 +29,7 @@ from treadle.client.rest import RestClient
 from treadle.client.sampling import SamplingClient, open_sampling_client
 from treadle.client.training import TrainingClient
 from treadle.errors import AuthenticationError, TreadleError
+from treadle.futures import APIFuture
 from treadle.types import (
     CreateModelRequest,
     CreateModelResponse,
@@ -45,35 +48,52 @@ class ServiceClient:
     """Platform settings and the session; creates training, sampling and REST clients.
 
     Args:
-        base_url: the server; defaults to `$TREADLE_BASE_URL`, then `http://127.0.0.1:8000`.
+        base_url: the server; defaults to `$TREADLE_BASE_URL`, then `$TINKER_BASE_URL`, then
+            `http://127.0.0.1:8000`.
         api_key: defaults to `$TREADLE_API_KEY`.
         project_id, tags, user_metadata, display_name: recorded on the session.
         retry: how long transient failures (connection errors, 5xx, 429) are retried.
         timeout: read timeout of ordinary requests, in seconds.
+        connect_timeout: seconds to wait for the server's first answer before raising
+            APIConnectionError (None: `$TREADLE_CONNECT_TIMEOUT`, else 10). Only the first
+            contact is bounded this way; later transient failures follow `retry`.
         transport: an httpx transport to use instead of the network (proxies, tests).
         headers: extra headers sent on every request.
 
     Raises:
         AuthenticationError: no API key was given or found in the environment.
+        InvalidArgumentError: connect_timeout (or `$TREADLE_CONNECT_TIMEOUT`) is not a
+            positive number.
+
+    The session ends when the process exits without `close()` too (normal exit, an uncaught
+    exception, Ctrl-C, SIGTERM), best effort; see the SDK README, "Sessions".
     """
 
     def __init__(
         self,
+        user_metadata: dict[str, Any] | None = None,
+        project_id: str | None = None,
+        *,
         base_url: str | None = None,
         api_key: str | None = None,
-        *,
-        project_id: str | None = None,
         tags: list[str] | None = None,
-        user_metadata: dict[str, Any] | None = None,
         display_name: str | None = None,
         retry: RetryPolicy | None = None,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        connect_timeout: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
         url, key = resolve_credentials(base_url, api_key)
         self._conn = Connection(
-            url, key, retry=retry, timeout=timeout, transport=transport, headers=headers
+            url,
+            key,
+            retry=retry,
+            timeout=timeout,
+            transport=transport,
+            headers=headers,
+            connect_timeout=connect_timeout,
+            url_source=resolve_base_url(base_url)[1],
         )
         self._session = Session(
             self._conn,
@@ -82,6 +102,7 @@ class ServiceClient:
             project_id=project_id,
             display_name=display_name,
         )
+        _exit.install()
 
     @property
     def base_url(self) -> str:
@@ -110,20 +131,25 @@ class ServiceClient:
         else:
             self.close("errored", repr(exc))
 
-    def close(self, status: FinishStatus = "success", detail: str | None = None) -> None:
+    def close(self, status: FinishStatus = "success", detail: str | None = None) -> APIFuture[None]:
         """Finish the session on the server and release this client's resources.
 
         Clients created from this one stop working. Idempotent. When the server cannot be
         reached, a warning is logged and the session ends on its own once its heartbeats stop.
+
+        Returns:
+            A future that is already done: the session is finished when `close` returns
+            (tinker's `close` returns a future to wait on, so `close(...).result()` works).
         """
         if self._conn.closed:
-            return
+            return APIFuture.completed(None)
         try:
             self._conn.run(self._session.finish(status, detail), timeout=60)
         except (TreadleError, TimeoutError) as exc:
             logger.warning("could not finish session %s: %s", self._session.session_id, exc)
         finally:
             self._conn.close()
+        return APIFuture.completed(None)
 
     # -- capabilities -----------------------------------------------------------------------
 
@@ -145,7 +171,6 @@ class ServiceClient:
         self,
         base_model: str,
         rank: int = 32,
-        *,
         seed: int | None = None,
         train_mlp: bool = True,
         train_attn: bool = True,
@@ -162,13 +187,18 @@ class ServiceClient:
             user_metadata: stored on the run (e.g. `{"renderer_name": ...}`).
 
         Returns:
-            A TrainingClient for the new run.
+            A TrainingClient for the new run (it also answers `.result()` and `await`, as
+            the future of one that tinker's SDK returns does).
 
         Raises:
+            InvalidArgumentError: at once, when `base_model` is not a string or `rank` not
+                an integer.
             BadRequestError: the model is not served here or the rank is out of range.
             QuotaExceededError: the tenant's concurrent session limit is reached.
         """
-        lora = LoraConfig(
+        lora = build(
+            "create_lora_training_client",
+            LoraConfig,
             rank=rank,
             seed=seed,
             train_mlp=train_mlp,
@@ -181,7 +211,6 @@ class ServiceClient:
         self,
         base_model: str,
         rank: int = 32,
-        *,
         seed: int | None = None,
         train_mlp: bool = True,
         train_attn: bool = True,
@@ -189,7 +218,9 @@ class ServiceClient:
         user_metadata: dict[str, Any] | None = None,
     ) -> TrainingClient:
         """`create_lora_training_client` for asyncio code."""
-        lora = LoraConfig(
+        lora = build(
+            "create_lora_training_client",
+            LoraConfig,
             rank=rank,
             seed=seed,
             train_mlp=train_mlp,
@@ -199,49 +230,86 @@ class ServiceClient:
         return await self._conn.call(self._create_lora(base_model, lora, user_metadata))
 
     def create_training_client_from_state(
-        self, path: str, *, user_metadata: dict[str, Any] | None = None
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, Any] | None = None,
     ) -> TrainingClient:
-        """A new run starting from a checkpoint's weights, with a fresh optimizer."""
-        return self._conn.run(self._create_from_state(path, False, user_metadata))
+        """A new run starting from a checkpoint's weights, with a fresh optimizer.
+
+        Args:
+            path: a `tinker://<run>/weights/<name>` checkpoint (yours or a published one).
+            base_model: the checkpoint's base model; None reads it from the checkpoint.
+            user_metadata: stored on the new run.
+
+        Returns:
+            A TrainingClient for the new run (it also answers `.result()`, as tinker's future
+            of one does).
+
+        Raises:
+            NotFoundError: no such checkpoint (or not yours).
+        """
+        return self._conn.run(self._create_from_state(path, False, base_model, user_metadata))
 
     def create_training_client_from_state_with_optimizer(
-        self, path: str, *, user_metadata: dict[str, Any] | None = None
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, Any] | None = None,
     ) -> TrainingClient:
         """A new run resuming a `save_state` checkpoint: weights and optimizer state.
+
+        Args and return as for `create_training_client_from_state`.
 
         Raises:
             NotFoundError: no such checkpoint (or not yours).
             BadRequestError: the checkpoint holds no optimizer state (a sampler checkpoint).
         """
-        return self._conn.run(self._create_from_state(path, True, user_metadata))
+        return self._conn.run(self._create_from_state(path, True, base_model, user_metadata))
 
     async def create_training_client_from_state_async(
-        self, path: str, *, user_metadata: dict[str, Any] | None = None
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, Any] | None = None,
     ) -> TrainingClient:
         """`create_training_client_from_state` for asyncio code."""
-        return await self._conn.call(self._create_from_state(path, False, user_metadata))
+        return await self._conn.call(
+            self._create_from_state(path, False, base_model, user_metadata)
+        )
 
     async def create_training_client_from_state_with_optimizer_async(
-        self, path: str, *, user_metadata: dict[str, Any] | None = None
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, Any] | None = None,
     ) -> TrainingClient:
         """`create_training_client_from_state_with_optimizer` for asyncio code."""
-        return await self._conn.call(self._create_from_state(path, True, user_metadata))
+        return await self._conn.call(self._create_from_state(path, True, base_model, user_metadata))
 
     # -- sampling and REST ------------------------------------------------------------------
 
     def create_sampling_client(
-        self, base_model: str | None = None, model_path: str | None = None
+        self, model_path: str | None = None, base_model: str | None = None
     ) -> SamplingClient:
         """Sample from a base model, or from a `tinker://.../sampler_weights/...` checkpoint.
 
+        Args:
+            model_path: a sampler checkpoint (first, as in tinker's SDK).
+            base_model: a model from `get_server_capabilities()`.
+
+        Returns:
+            A SamplingClient (it also answers `.result()`, as tinker's future of one does).
+
         Raises:
-            ValueError: neither or both of base_model and model_path were given.
+            InvalidArgumentError: neither or both of base_model and model_path were given, or
+                model_path is not a `tinker://` path.
             NotFoundError: the checkpoint does not exist (or is not yours).
         """
         return self._conn.run(open_sampling_client(self._session, base_model, model_path))
 
     async def create_sampling_client_async(
-        self, base_model: str | None = None, model_path: str | None = None
+        self, model_path: str | None = None, base_model: str | None = None
     ) -> SamplingClient:
         """`create_sampling_client` for asyncio code."""
         return await self._conn.call(open_sampling_client(self._session, base_model, model_path))
@@ -255,6 +323,7 @@ class ServiceClient:
     async def _create_lora(
         self, base_model: str, lora: LoraConfig, user_metadata: dict[str, Any] | None
     ) -> TrainingClient:
+        check_type("create_lora_training_client", "base_model", base_model, str)
         session_id = await self._session.ensure()
         request = CreateModelRequest(
             session_id=session_id,
@@ -277,8 +346,13 @@ class ServiceClient:
         return await self._training_client(created.model_id)
 
     async def _create_from_state(
-        self, path: str, optimizer: bool, user_metadata: dict[str, Any] | None
+        self,
+        path: str,
+        optimizer: bool,
+        base_model: str | None,
+        user_metadata: dict[str, Any] | None,
     ) -> TrainingClient:
+        check_type("create_training_client_from_state", "path", path, str)
         session_id = await self._session.ensure()
         model_seq_id = self._session.next_model_seq_id()
         request = LoadWeightsRequest(
@@ -286,6 +360,7 @@ class ServiceClient:
             model_seq_id=model_seq_id,
             path=path,
             optimizer=optimizer,
+            base_model=base_model,
             user_metadata=user_metadata,
         )
         handle = await submit(
@@ -317,13 +392,26 @@ class ServiceClient:
         )
 
 
+def resolve_base_url(base_url: str | None, argument: str = "base_url=") -> tuple[str, str]:
+    """The server URL and where it came from: `argument`, `TREADLE_BASE_URL`,
+    `TINKER_BASE_URL` or the default (named in the error when the server cannot be reached)."""
+    if base_url:
+        return base_url.rstrip("/"), argument
+    for variable in ("TREADLE_BASE_URL", "TINKER_BASE_URL"):
+        value = os.environ.get(variable)
+        if value:
+            return value.rstrip("/"), variable
+    return DEFAULT_BASE_URL, "default; neither base_url= nor TREADLE_BASE_URL is set"
+
+
 def resolve_credentials(base_url: str | None, api_key: str | None) -> tuple[str, str]:
-    """The base URL and API key from the arguments, else `TREADLE_BASE_URL` / `TREADLE_API_KEY`.
+    """The base URL and API key from the arguments, else the environment
+    (`TREADLE_BASE_URL`, then `TINKER_BASE_URL`; `TREADLE_API_KEY`).
 
     Raises:
         AuthenticationError: no API key anywhere.
     """
-    url = base_url or os.environ.get("TREADLE_BASE_URL") or DEFAULT_BASE_URL
+    url = resolve_base_url(base_url)[0]
     key = api_key or os.environ.get("TREADLE_API_KEY")
     if not key:
         raise AuthenticationError(
