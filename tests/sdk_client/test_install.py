@@ -55,3 +55,42 @@ def test_pip_install_is_light(tmp_path: Path) -> None:
         [str(venv / "bin" / "treadle"), "--help"], capture_output=True, text=True, timeout=120
     )
     assert cli.returncode == 0 and "checkpoints" in cli.stdout
+
+
+def test_an_editable_install_is_visible_to_type_checkers(tmp_path: Path) -> None:
+    source = tmp_path / "sdk"
+    shutil.copytree(
+        SDK, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--no-deps", "--editable", str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert install.returncode == 0, install.stderr[-4000:]
+    snippet = tmp_path / "loop.py"
+    snippet.write_text(
+        "import treadle\n\n\n"
+        "def step(trainer: treadle.TrainingClient) -> None:\n"
+        "    trainer.forward_backward([], loss_fn='cross_entropy')\n"
+        "    trainer.optim_step(1e-3)\n"
+    )
+    checked = subprocess.run(
+        [
+            *(sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--config-file"),
+            *("/dev/null", "--python-executable", python, str(snippet)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,  # never the source tree
+    )
+    # mypy reads the package's own annotations: the one mistake in the snippet is found.
+    assert "import-not-found" not in checked.stdout and "import-untyped" not in checked.stdout
+    assert 'incompatible type "float"; expected "AdamParams | None"' in checked.stdout
+    assert "Found 1 error" in checked.stdout, checked.stdout
