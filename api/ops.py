@@ -48,7 +48,7 @@ def check_base_model(state: AppState, base_model: str) -> None:
     if base_model not in state.settings.offered_models:
         raise InvalidInput(
             f"base model {base_model!r} is not served here; use one of {state.settings.offered_models} "
-            "(GET /api/v1/get_server_capabilities lists them)"
+            "(ServiceClient.get_server_capabilities() lists them)"
         )
 
 
