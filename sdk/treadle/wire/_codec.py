@@ -17,6 +17,7 @@ from typing import Any
 import zstandard
 from pydantic import ValidationError
 
+from treadle.errors import TreadleError
 from treadle.proto import treadle_wire_pb2 as pb
 from treadle.types.tensor import TensorData, TensorDtype
 
@@ -35,7 +36,7 @@ UINT16 = ("H", 2, "uint16")
 UINT32 = ("I", 4, "uint32")
 
 
-class WireFormatError(ValueError):
+class WireFormatError(TreadleError, ValueError):
     """A protobuf body or message that cannot be decoded; the message says what to send."""
 
 
