@@ -23,7 +23,8 @@ Only sessions created by this process are finished: a forked child leaves its pa
 from __future__ import annotations
 
 import atexit
-import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import concurrent.futures
+import concurrent.futures.thread  # its exit hook must be registered before ours
 import logging
 import os
 import signal
@@ -46,6 +47,8 @@ _open: dict[int, tuple[int, Session]] = {}
 _installed = False
 _handled_signals = (signal.SIGINT, signal.SIGTERM)
 _previous: dict[int, Any] = {}
+_received: list[str] = []
+"""Signals handed on to a previous handler, for the finish reason at exit."""
 
 
 def register(session: Session) -> None:
@@ -87,24 +90,30 @@ def install() -> None:
 
 
 def finish_all(status: FinishStatus, detail: str) -> None:
-    """Finish every open session of this process, waiting a few seconds for each at most."""
+    """Finish every open session of this process, all at once, waiting a few seconds at most."""
     with _lock:
         mine = [session for pid, session in _open.values() if pid == os.getpid()]
+    pending: dict[concurrent.futures.Future[None], Session] = {}
     for session in mine:
+        unregister(session)
         connection = session.connection
         if connection.closed or connection.loop.in_loop_thread():
             continue
         try:
-            connection.run(
-                session.finish(status, detail, max_seconds=EXIT_FINISH_SECONDS),
-                timeout=EXIT_FINISH_SECONDS + 1,
-            )
-        except Exception as exc:  # best effort: the server's idle timeout is the backstop
-            logger.warning(
-                "could not finish session %s at exit: %s", session.session_id, exc or repr(exc)
-            )
-        finally:
-            unregister(session)
+            finishing = session.finish(status, detail, max_seconds=EXIT_FINISH_SECONDS)
+            pending[connection.loop.spawn(finishing)] = session
+        except RuntimeError:  # its loop is already closed
+            continue
+    _, late = concurrent.futures.wait(pending, timeout=EXIT_FINISH_SECONDS + 1)
+    for future in late:
+        future.cancel()
+    for future, session in pending.items():
+        if future in late or future.cancelled():
+            error: BaseException | None = TimeoutError("no answer in time")
+        else:
+            error = future.exception()
+        if error is not None:  # best effort: the server's idle timeout is the backstop
+            logger.warning("could not finish session %s at exit: %r", session.session_id, error)
 
 
 def _at_exit() -> None:
@@ -113,17 +122,20 @@ def _at_exit() -> None:
         finish_all("interrupted", "the process was interrupted (KeyboardInterrupt)")
     elif last is not None:
         finish_all("errored", f"the process exited on {last!r}"[:500])
+    elif _received:
+        finish_all("interrupted", f"the process exited after receiving {_received[-1]}")
     else:
         finish_all("success", "the process exited without ServiceClient.close()")
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     previous = _previous.get(signum, signal.SIG_DFL)
+    name = signal.Signals(signum).name
     if callable(previous):
+        _received.append(name)
         handler: Callable[[int, FrameType | None], Any] = previous
         handler(signum, frame)
         return
-    name = signal.Signals(signum).name
     finish_all("interrupted", f"the process received {name}")
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
