@@ -42,8 +42,8 @@ LossFnType: TypeAlias = Literal[
     "stable_reinforce",
     "custom",
 ]
-"""The built-in losses `TrainingClient.forward_backward` accepts (its docstring lists the
-`loss_fn_inputs` each needs); `custom` runs a loss registered with the server."""
+"""The loss names of the Tinker API. `TrainingClient.forward_backward`'s docstring lists the
+`loss_fn_inputs` each needs; this server refuses `stable_reinforce` and `custom`."""
 LOSS_FNS: tuple[str, ...] = get_args(LossFnType)
 
 METRIC_REDUCTIONS: frozenset[str] = frozenset(
