@@ -237,6 +237,8 @@ class HttpClient:
                 error = self._connection_error(exc, first_contact, time.monotonic() - started)
                 may_retry = idempotent or isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
                 wait = policy.backoff(attempt)
+                if first_contact and may_retry and not policy.allows(attempt, started, wait):
+                    wait = _last_wait(policy, attempt, started)  # one last try at the deadline
                 if not may_retry or not policy.allows(attempt, started, wait):
                     raise error from exc
                 self._log_retry(attempt, "%s %s failed (%s)", method, path, exc, wait=wait)
@@ -274,6 +276,13 @@ class HttpClient:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _last_wait(policy: RetryPolicy, attempt: int, started: float) -> float:
+    """A wait that puts one more attempt just before the deadline, when there is time for one
+    (otherwise the elapsed-time bound would end the first contact a whole backoff early)."""
+    remaining = started + policy.max_elapsed_seconds - time.monotonic()
+    return remaining - 0.25 if remaining > 0.5 else policy.backoff(attempt)
 
 
 def _connection_error(exc: httpx.TransportError) -> APIConnectionError:
