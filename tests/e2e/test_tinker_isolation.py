@@ -149,6 +149,10 @@ def test_bad_input_is_a_user_error_and_the_run_survives(live_server: LiveServer)
     assert trainer.forward(good, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
         baseline
     )
+    # A step on the failed batches' window is refused (docs/protocol.md); the next one trains.
+    with pytest.raises(tinker.RequestFailedError) as info:
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert "optim_step refused" in info.value.message
     trainer.forward_backward(good, "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert trainer.forward(good, "cross_entropy").result().metrics["loss:sum"] < baseline
