@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.ledger import UsageLine
@@ -586,8 +586,10 @@ def failed_forward_backwards(
     if seq_id is None:
         return []
     with database.reader() as db:
+        # Walks the run's (target_id, seq_id) index back from this op: usually a few rows.
         start = db.scalar(
-            select(func.max(Operation.seq_id)).where(
+            select(Operation.seq_id)
+            .where(
                 Operation.target_id == run_id,
                 Operation.seq_id < seq_id,
                 Operation.status == DONE,
@@ -599,6 +601,8 @@ def failed_forward_backwards(
                     )
                 ),
             )
+            .order_by(Operation.seq_id.desc())
+            .limit(1)
         )
         rows = db.execute(
             select(
