@@ -50,7 +50,9 @@ def keep_place(state: AppState, path: str, api_key: str | None, body: Any, messa
             principal = apikeys.authenticate(db, state.clock, state.server_secret, api_key)
         with state.database.transaction() as db:
             run = active_run(db, state, principal, model_id)
-            payload, codec = encode_json_payload(refused(message))
+            # A refused forward pass (forward_only) must not fail the run's next optim_step.
+            content = {**refused(message), "forward_only": body.get("forward_only") is True}
+            payload, codec = encode_json_payload(content)
             submit_training_op(
                 db,
                 state.clock,
