@@ -73,7 +73,7 @@ def test_sft_loop_loss_falls(service: treadle.ServiceClient) -> None:
     info = trainer.get_info()
     assert info.model_data.model_name == MODEL and info.lora_rank == 8
     tokenizer = trainer.get_tokenizer()
-    assert tokenizer.decode(tokenizer.encode("hello world").ids).strip() == "hello world"
+    assert tokenizer.decode(tokenizer.encode("hello world")).strip() == "hello world"
 
 
 def test_rl_step_with_sampling_and_policy_losses(service: treadle.ServiceClient) -> None:
@@ -166,11 +166,11 @@ def test_resume_with_optimizer_and_named_sampler(service: treadle.ServiceClient)
     assert logprobs[0] is None and len(logprobs) == 4
 
     rest = service.create_rest_client()
-    run_ids = {r.training_run_id for r in rest.list_training_runs(limit=100).training_runs}
+    run_ids = {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
     assert {trainer.model_id, resumed.model_id} <= run_ids
-    listed = {c.tinker_path for c in rest.list_checkpoints(trainer.model_id).checkpoints}
+    listed = {c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints}
     assert {path, sampler_path} <= listed
-    assert rest.get_weights_info(path).lora_rank == 8
+    assert rest.get_weights_info(path).result().lora_rank == 8
 
 
 def test_async_variants(live_server: LiveServer) -> None:
@@ -338,7 +338,7 @@ def test_merged_export_loads_in_transformers_with_the_trained_weights(
         sampler = trainer.save_weights_and_get_sampling_client().result()
         served = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
         out = tmp_path / "merged"
-        service.create_rest_client().download_checkpoint(path, out)
+        service.create_rest_client().download_checkpoint(path, out).result()
     assert (out / "config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
@@ -358,8 +358,8 @@ def test_usage_report_and_cli(live_server: LiveServer, monkeypatch: pytest.Monke
         trainer.forward_backward([datum, datum], "cross_entropy")
         trainer.optim_step(types.AdamParams()).result()
         rest = service.create_rest_client()
-        report = rest.get_usage()
-        later = rest.get_usage(since=datetime.now(UTC) + timedelta(hours=1))
+        report = rest.get_usage().result()
+        later = rest.get_usage(since=datetime.now(UTC) + timedelta(hours=1)).result()
     trained = 2 * datum.model_input.length
     assert [(line.base_model, line.kind, line.quantity) for line in report.lines] == [
         (MODEL, "training", trained)
@@ -368,7 +368,7 @@ def test_usage_report_and_cli(live_server: LiveServer, monkeypatch: pytest.Monke
     with treadle.RestClient(
         base_url=live_server.base_url, api_key=live_server.make_tenant().key
     ) as other:
-        assert other.get_usage().lines == []  # tenants see only their own usage
+        assert other.get_usage().result().lines == []  # tenants see only their own usage
 
     monkeypatch.setattr(cli, "console", Console(width=400, emoji=False, highlight=False))
     monkeypatch.setenv("TREADLE_BASE_URL", live_server.base_url)
@@ -378,15 +378,36 @@ def test_usage_report_and_cli(live_server: LiveServer, monkeypatch: pytest.Monke
     assert "training" in shown.output and f"{trained:,}" in shown.output
 
 
-def test_readme_quickstart_runs(live_server: LiveServer) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "sdk" / "README.md").read_text()
-    quickstart = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    code = quickstart.replace("http://127.0.0.1:8000", live_server.base_url).replace(
-        '"tml-..."', repr(live_server.make_tenant().key)
-    )
-    namespace: dict[str, object] = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    assert str(namespace["path"]).endswith("/weights/step-20")
+def python_blocks(markdown: Path) -> list[str]:
+    """The ```python blocks of a markdown file, in order."""
+    return [block.split("```", 1)[0] for block in markdown.read_text().split("```python\n")[1:]]
+
+
+@pytest.mark.parametrize("readme", ["README.md", "sdk/README.md"])
+def test_readme_examples_run_as_printed(
+    live_server: LiveServer, readme: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every Python example of the README is a complete program: each runs on its own (a fresh
+    namespace, nothing defined by the test), in order, under one tenant; only the server's
+    address and the key are replaced."""
+    blocks = python_blocks(Path(__file__).resolve().parents[2] / readme)
+    assert blocks, f"{readme} has no python examples"
+    key = live_server.make_tenant().key
+    for number, block in enumerate(blocks, 1):
+        assert "http://127.0.0.1:8000" in block, f"{readme} example {number} names no server"
+        code = block.replace("http://127.0.0.1:8000", live_server.base_url)
+        code = code.replace('"tml-..."', repr(key)).replace('"tml-…"', repr(key))
+        assert repr(key) in code, f"{readme} example {number} names no API key"
+        exec(compile(code, f"{readme} example {number}", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out
+    if readme == "sdk/README.md":
+        assert "resumed tinker://" in printed and "/weights/step-20 as " in printed
+        assert "32 samples, mean reward" in printed
+        margins = [float(line.split()[1]) for line in printed.splitlines()[-5:]]
+        assert margins[-1] > margins[0], printed  # DPO widens the chosen answer's margin
+    else:
+        losses = [float(line) for line in printed.splitlines()]
+        assert len(losses) == 10 and losses[-1] < losses[0], printed
 
 
 @contextlib.contextmanager

@@ -18,11 +18,14 @@ from typing import Any
 
 import httpx
 
+from treadle._checks import build, check_type, optional
 from treadle._connection import Connection, shared_connection
 from treadle._polling import retrieve, submit
 from treadle._session import Session
+from treadle.client._resolved import ResolvedClient
+from treadle.errors import InvalidArgumentError, RequestFailedError
 from treadle.futures import APIFuture
-from treadle.tokenizer import load_tokenizer
+from treadle.tokenizer import Tokenizer, load_tokenizer
 from treadle.types import (
     TINKER_SCHEME,
     CreateSamplingSessionResponse,
@@ -38,7 +41,7 @@ _CLONE_STRIDE = 1_000_000_000
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 
 
-class SamplingClient:
+class SamplingClient(ResolvedClient):
     """Samples from one sampling session (a base model or a `tinker://` sampler checkpoint).
 
     Create one with `ServiceClient.create_sampling_client` or
@@ -110,11 +113,22 @@ class SamplingClient:
             A future of the `SampleResponse`; each sequence has its tokens, their logprobs,
             its stop reason and a `sequence_id`.
 
-        Raises (through the future):
-            RequestFailedError: the server could not sample (e.g. the prompt is too long).
-            BadRequestError: the request was refused (e.g. num_samples out of range).
+        Raises:
+            InvalidArgumentError: at once, when `prompt` is not a ModelInput,
+                `sampling_params` not a SamplingParams, or a count is not an int.
+            RequestFailedError: through the future, when the server could not sample (e.g.
+                the prompt is longer than the model's context).
+            BadRequestError: through the future, when the request was refused (e.g.
+                num_samples out of range).
         """
-        request = SampleRequest(
+        check_type("sample", "prompt", prompt, ModelInput)
+        check_type("sample", "num_samples", num_samples, int)
+        check_type("sample", "sampling_params", sampling_params, optional(SamplingParams))
+        check_type("sample", "topk_prompt_logprobs", topk_prompt_logprobs, int)
+        check_type("sample", "topk_sample_logprobs", topk_sample_logprobs, int)
+        request = build(
+            "sample",
+            SampleRequest,
             prompt=prompt,
             num_samples=num_samples,
             sampling_params=sampling_params or SamplingParams(),
@@ -152,7 +166,11 @@ class SamplingClient:
 
         Returns:
             A future of one entry per prompt token; the first is None (nothing predicts it).
+
+        Raises:
+            InvalidArgumentError: at once, when `prompt` is not a ModelInput.
         """
+        check_type("compute_logprobs", "prompt", prompt, ModelInput)
         future = self.sample(prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
         return future.map(_prompt_logprobs)
 
@@ -160,9 +178,9 @@ class SamplingClient:
         """`compute_logprobs`, awaited."""
         return await self.compute_logprobs(prompt)
 
-    def get_tokenizer(self) -> Any:
-        """The base model's `tokenizers.Tokenizer`, downloaded from the server (needs
-        `treadle[tokenizer]`)."""
+    def get_tokenizer(self) -> Tokenizer:
+        """The base model's tokenizer (see `TrainingClient.get_tokenizer`), downloaded from the
+        server (needs `treadle[tokenizer]`)."""
         return self._conn.run(load_tokenizer(self._conn.http, self.base_model))
 
     # -- internals --------------------------------------------------------------------------
@@ -197,16 +215,22 @@ async def open_sampling_client(
     """Open a sampling session on a base model or a `tinker://` sampler checkpoint.
 
     Raises:
-        ValueError: neither or both of base_model and model_path, or a path not `tinker://`.
+        InvalidArgumentError: neither or both of base_model and model_path, or a path not
+            `tinker://`.
         NotFoundError: the checkpoint does not exist (or is not yours).
     """
+    check_type("create_sampling_client", "base_model", base_model, optional(str))
+    check_type("create_sampling_client", "model_path", model_path, optional(str))
     if (base_model is None) == (model_path is None):
-        raise ValueError(
+        raise InvalidArgumentError(
             "pass exactly one of base_model (sample the base model) or model_path "
             "(a tinker:// sampler checkpoint)"
         )
     if model_path is not None and not model_path.startswith(TINKER_SCHEME):
-        raise ValueError(f"model_path {model_path!r} must start with {TINKER_SCHEME}")
+        raise InvalidArgumentError(
+            f"model_path {model_path!r} must start with {TINKER_SCHEME}, e.g. the "
+            "`path` of save_weights_for_sampler's result"
+        )
     http = session.connection.http
     body: dict[str, Any] = {
         "session_id": await session.ensure(),
@@ -233,7 +257,9 @@ def _decode_sample(response: httpx.Response) -> SampleResponse:
 
 def _prompt_logprobs(response: SampleResponse) -> list[float | None]:
     if response.prompt_logprobs is None:
-        raise ValueError("the server returned no prompt logprobs for compute_logprobs")
+        raise RequestFailedError(
+            "the server returned no prompt logprobs for compute_logprobs", category="server"
+        )
     return list(response.prompt_logprobs)
 
 

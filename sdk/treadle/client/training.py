@@ -12,24 +12,29 @@ outputs and metrics merged.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel
 
+from treadle._checks import check_callable, check_items, check_type, optional
 from treadle._session import Session
 from treadle.client._chunks import split_batch
 from treadle.client._custom_loss import CustomLossFn, forward_data
+from treadle.client._resolved import ResolvedClient
 from treadle.client._run_ops import RunOps
 from treadle.client.sampling import SamplingClient, open_sampling_client
+from treadle.errors import RequestFailedError
 from treadle.futures import APIFuture
-from treadle.tokenizer import load_tokenizer
+from treadle.tokenizer import Tokenizer, load_tokenizer
 from treadle.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     GetInfoResponse,
     LoadWeightsResponse,
+    LossFnType,
     OptimStepResponse,
     SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
@@ -42,7 +47,7 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 
-class TrainingClient:
+class TrainingClient(ResolvedClient):
     """Drives one training run (`model_id` = `{session_id}:train:{n}`).
 
     Create one with `ServiceClient.create_lora_training_client` or
@@ -82,7 +87,7 @@ class TrainingClient:
     def forward(
         self,
         data: Sequence[Datum],
-        loss_fn: str = "cross_entropy",
+        loss_fn: LossFnType = "cross_entropy",
         loss_fn_config: dict[str, float | str] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """Compute the loss and per-token logprobs without gradients.
@@ -94,24 +99,39 @@ class TrainingClient:
     def forward_backward(
         self,
         data: Sequence[Datum],
-        loss_fn: str = "cross_entropy",
+        loss_fn: LossFnType = "cross_entropy",
         loss_fn_config: dict[str, float | str] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """Compute the loss and accumulate its gradients until the next `optim_step`.
 
         Args:
-            data: the batch; split into several requests when larger than the server allows.
-            loss_fn: `cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`, `gspo`...
-            loss_fn_config: e.g. `{"clip_low_threshold": 0.8}` for ppo.
+            data: the batch, a list of `Datum`; split into several requests when larger than
+                the server allows.
+            loss_fn: the loss (`LossFnType`). Each needs these `loss_fn_inputs` in every
+                datum, each shaped like `target_tokens` (one value per position):
+
+                * `cross_entropy`: `target_tokens`, `weights`.
+                * `importance_sampling`, `ppo`, `cispo`, `dro`: `target_tokens`, `logprobs`
+                  (the sampler's logprobs of the targets), `advantages`.
+                * `gspo`: `target_tokens`, `logprobs`, `advantages` and
+                  `sequence_ratio_mask` (1 where a token counts in the sequence's ratio).
+
+                `dro` also needs `loss_fn_config={"beta": ...}`. `stable_reinforce` and
+                `custom` are in the type for tinker code, but this server refuses them; use
+                `forward_backward_custom` for a loss of your own.
+            loss_fn_config: e.g. `{"clip_low_threshold": 0.8}` for ppo, cispo and gspo
+                (defaults 0.8 and 1.2 for the low and high clip thresholds).
 
         Returns:
             A future of the merged output: `loss_fn_outputs[i]["logprobs"]` per datum, and
             metrics such as `loss:sum`.
 
         Raises:
-            ValueError: at once, when a datum cannot be encoded.
-            RequestFailedError: through the future, when the server rejects the data or loss
-                (category `user`, with what to change).
+            InvalidArgumentError: at once, when `data` is not a list of Datum, `loss_fn` is
+                not a string, or a datum cannot be encoded.
+            RequestRejectedError: through the future, when the server rejects the data or
+                loss while running it (a missing input, an unknown loss; the message says
+                what to change). It is a `RequestFailedError` with category `user`.
         """
         return self._ops.forward_backward(data, loss_fn, loss_fn_config, forward_only=False)
 
@@ -127,9 +147,12 @@ class TrainingClient:
         server's weighted cross-entropy.
 
         Raises:
-            ValueError: at once, when a datum has no `target_tokens`.
+            InvalidArgumentError: at once, when `data` is not a list of Datum, a datum has no
+                `target_tokens`, or `loss_fn` is not a function.
             Whatever `loss_fn` raises, through the future (the run stays consistent).
         """
+        check_items("forward_backward_custom", "data", data, Datum)
+        check_callable("forward_backward_custom", "loss_fn", loss_fn)
         fwd_data = forward_data(data)
         chunks = split_batch(fwd_data, self._ops.max_chunk_len, self._ops.max_chunk_bytes)
         bodies = [
@@ -141,7 +164,7 @@ class TrainingClient:
     async def forward_async(
         self,
         data: Sequence[Datum],
-        loss_fn: str = "cross_entropy",
+        loss_fn: LossFnType = "cross_entropy",
         loss_fn_config: dict[str, float | str] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """`forward` for asyncio code: `out = await (await client.forward_async(...))`."""
@@ -150,7 +173,7 @@ class TrainingClient:
     async def forward_backward_async(
         self,
         data: Sequence[Datum],
-        loss_fn: str = "cross_entropy",
+        loss_fn: LossFnType = "cross_entropy",
         loss_fn_config: dict[str, float | str] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """`forward_backward` for asyncio code; returns the future."""
@@ -167,9 +190,16 @@ class TrainingClient:
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
         """Apply the accumulated gradients with AdamW and clear them.
 
+        Args:
+            adam_params: learning rate, betas, eps, weight decay (default: `AdamParams()`).
+
         Returns:
             A future of the step's metrics (e.g. `grad_norm:mean`).
+
+        Raises:
+            InvalidArgumentError: at once, when `adam_params` is not an AdamParams.
         """
+        check_type("optim_step", "adam_params", adam_params, optional(AdamParams))
         params = (adam_params or AdamParams()).model_dump(mode="json")
         return self._ops.json_op(
             "/api/v1/optim_step", {"adam_params": params}, OptimStepResponse, "OptimStep"
@@ -178,16 +208,18 @@ class TrainingClient:
     def save_state(
         self,
         name: str,
-        *,
         ttl_seconds: int | None = None,
         overwrite: bool = False,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
         """Save weights and optimizer state as `tinker://{run}/weights/{name}` (resumable).
 
-        Raises (through the future):
-            BadRequestError: the name is taken (pass overwrite=True) or invalid.
+        Raises:
+            InvalidArgumentError: at once, when `name` is not a string.
+            BadRequestError: through the future, when the name is taken (pass
+                overwrite=True) or invalid.
         """
+        check_type("save_state", "name", name, str)
         body = {
             "path": name,
             "ttl_seconds": ttl_seconds,
@@ -197,7 +229,15 @@ class TrainingClient:
         return self._ops.json_op("/api/v1/save_weights", body, SaveWeightsResponse, "SaveWeights")
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Replace this run's weights with a checkpoint's (optimizer state untouched)."""
+        """Replace this run's weights with a checkpoint's (optimizer state untouched).
+
+        Raises:
+            InvalidArgumentError: at once, when `path` is not a string.
+            NotFoundError: through the future, when no such checkpoint exists (or it is not
+                yours); the same class `create_training_client_from_state` raises.
+            BadRequestError: through the future, when `path` is not a `tinker://` path.
+        """
+        check_type("load_state", "path", path, str)
         return self._ops.json_op(
             "/api/v1/load_weights",
             {"path": path, "optimizer": False},
@@ -206,7 +246,16 @@ class TrainingClient:
         )
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Replace this run's weights and optimizer state with a `save_state` checkpoint's."""
+        """Replace this run's weights and optimizer state with a `save_state` checkpoint's.
+
+        Raises:
+            InvalidArgumentError: at once, when `path` is not a string.
+            NotFoundError: through the future, when no such checkpoint exists (or it is not
+                yours).
+            BadRequestError: through the future, when the checkpoint holds no optimizer
+                state (a sampler checkpoint) or `path` is not a `tinker://` path.
+        """
+        check_type("load_state_with_optimizer", "path", path, str)
         return self._ops.json_op(
             "/api/v1/load_weights",
             {"path": path, "optimizer": True},
@@ -217,11 +266,15 @@ class TrainingClient:
     def save_weights_for_sampler(
         self,
         name: str,
-        *,
         ttl_seconds: int | None = None,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        """Save the adapter as `tinker://{run}/sampler_weights/{name}` for sampling clients."""
+        """Save the adapter as `tinker://{run}/sampler_weights/{name}` for sampling clients.
+
+        Raises:
+            InvalidArgumentError: at once, when `name` is not a string.
+        """
+        check_type("save_weights_for_sampler", "name", name, str)
         body = {
             "path": name,
             "kind": "snapshot",
@@ -235,12 +288,27 @@ class TrainingClient:
             "SaveWeightsForSampler",
         )
 
-    def save_weights_and_get_sampling_client(self) -> APIFuture[SamplingClient]:
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None
+    ) -> APIFuture[SamplingClient]:
         """Snapshot the current weights into a new sampling session (no named checkpoint).
+
+        Args:
+            name: accepted for tinker code and ignored, as tinker's SDK does (with a
+                DeprecationWarning): the snapshot is never a named checkpoint. For one, call
+                `save_weights_for_sampler(name)` and `create_sampling_client(path)`.
 
         Returns:
             A future of a SamplingClient that samples from these weights.
         """
+        if name is not None:
+            warnings.warn(
+                "save_weights_and_get_sampling_client(name=...) has no effect: the snapshot is "
+                "not a named checkpoint; for one, call save_weights_for_sampler(name) and then "
+                "create_sampling_client(path)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         body = {"kind": "snapshot", "sampling_session_seq_id": self._session.next_sampling_seq_id()}
         saved = self._ops.json_op(
             "/api/v1/save_weights_for_sampler",
@@ -254,6 +322,7 @@ class TrainingClient:
         """A SamplingClient on a sampler checkpoint (e.g. from `save_weights_for_sampler`).
 
         Raises:
+            InvalidArgumentError: `model_path` is not a `tinker://` path string.
             NotFoundError: the checkpoint does not exist (or is not yours).
         """
         return self._conn.run(open_sampling_client(self._session, None, model_path))
@@ -277,6 +346,7 @@ class TrainingClient:
         Download it with `RestClient.download_checkpoint` or `treadle download PATH`. Like every
         save, it is registered on the server as a new version of the run's model.
         """
+        check_type("export", "name", name, str)
         body: dict[str, object] = {"path": name, "ttl_seconds": ttl_seconds}
         if merged:
             body["merged"] = True
@@ -298,7 +368,6 @@ class TrainingClient:
     async def save_state_async(
         self,
         name: str,
-        *,
         ttl_seconds: int | None = None,
         overwrite: bool = False,
         user_metadata: dict[str, str] | None = None,
@@ -319,7 +388,6 @@ class TrainingClient:
     async def save_weights_for_sampler_async(
         self,
         name: str,
-        *,
         ttl_seconds: int | None = None,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
@@ -328,9 +396,11 @@ class TrainingClient:
             name, ttl_seconds=ttl_seconds, user_metadata=user_metadata
         )
 
-    async def save_weights_and_get_sampling_client_async(self) -> SamplingClient:
+    async def save_weights_and_get_sampling_client_async(
+        self, name: str | None = None
+    ) -> SamplingClient:
         """`save_weights_and_get_sampling_client`, awaited: returns the SamplingClient."""
-        return await self.save_weights_and_get_sampling_client()
+        return await self.save_weights_and_get_sampling_client(name)
 
     async def export_async(
         self, name: str, *, ttl_seconds: int | None = None, merged: bool = False
@@ -347,20 +417,29 @@ class TrainingClient:
     async def get_info_async(self) -> GetInfoResponse:
         return self._info
 
-    def get_tokenizer(self) -> Any:
-        """The base model's `tokenizers.Tokenizer`, downloaded from the server.
+    def get_tokenizer(self) -> Tokenizer:
+        """The base model's tokenizer, downloaded from the server.
+
+        Returns:
+            A `treadle.tokenizer.Tokenizer`: `encode(str) -> list[int]`,
+            `decode(list[int]) -> str` and `apply_chat_template`, as transformers' tokenizers
+            (which tinker's `get_tokenizer` returns) have.
 
         Raises:
             ImportError: `treadle[tokenizer]` is not installed.
         """
         return self._conn.run(load_tokenizer(self._conn.http, self.base_model))
 
-    async def get_tokenizer_async(self) -> Any:
+    async def get_tokenizer_async(self) -> Tokenizer:
         return await self._conn.call(load_tokenizer(self._conn.http, self.base_model))
 
     # -- internals --------------------------------------------------------------------------
 
     def _sampling_client_for(self, saved: SaveWeightsForSamplerResponse) -> SamplingClient:
         if saved.sampling_session_id is None:
-            raise ValueError("the server returned no sampling_session_id for the snapshot")
+            raise RequestFailedError(
+                "the server returned no sampling_session_id for the snapshot",
+                category="server",
+                request_id="",
+            )
         return SamplingClient(self._conn, saved.sampling_session_id, self.base_model)
