@@ -45,6 +45,7 @@ EXIT_FINISH_SECONDS = 5.0
 _lock = threading.Lock()
 _open: dict[int, tuple[int, Session]] = {}
 _installed = False
+_signals_installed = False
 _handled_signals = (signal.SIGINT, signal.SIGTERM)
 _previous: dict[int, Any] = {}
 _received: list[str] = []
@@ -63,20 +64,23 @@ def unregister(session: Session) -> None:
 
 
 def install() -> None:
-    """Register the atexit hook and, from the main thread, the signal handlers (once)."""
-    global _installed
+    """Register the exit hook (once) and, from the main thread, the signal handlers (once)."""
+    global _installed, _signals_installed
     with _lock:
-        if _installed:
-            return
-        _installed = True
-    register_hook = getattr(threading, "_register_atexit", None)
-    try:
-        if register_hook is None:
-            raise RuntimeError("threading has no exit hooks")
-        register_hook(_at_exit)
-    except RuntimeError:
-        atexit.register(_at_exit)
-    if threading.current_thread() is not threading.main_thread():
+        hook_needed, _installed = not _installed, True
+        signals_needed = (
+            not _signals_installed and threading.current_thread() is threading.main_thread()
+        )
+        _signals_installed = _signals_installed or signals_needed
+    if hook_needed:
+        register_hook = getattr(threading, "_register_atexit", None)
+        try:
+            if register_hook is None:
+                raise RuntimeError("threading has no exit hooks")
+            register_hook(_at_exit)
+        except RuntimeError:
+            atexit.register(_at_exit)
+    if not signals_needed:
         return
     for signum in _handled_signals:
         try:
