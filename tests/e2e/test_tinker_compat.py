@@ -100,6 +100,7 @@ def sampling(sdk: ModuleType, base_url: str, api_key: str) -> Any:
                 [list(s.tokens) for s in out.sequences],
                 [s.stop_reason for s in out.sequences],
                 sampler.compute_logprobs(prompt).result(),
+                sampler.get_base_model(),
             )
         )
     service.close("success").result(timeout=60)
@@ -112,6 +113,7 @@ def rest_listing(sdk: ModuleType, base_url: str, api_key: str) -> Any:
     state = trainer.save_state("kept").result().path
     sampler_path = trainer.save_weights_for_sampler("shared").result().path
     doomed = trainer.save_weights_for_sampler("doomed").result().path
+    exported = trainer.save_weights_external("exported", 7200).result().path
 
     rest = sdk.RestClient(base_url=base_url, api_key=api_key)
     runs = rest.list_training_runs().result()
@@ -123,6 +125,7 @@ def rest_listing(sdk: ModuleType, base_url: str, api_key: str) -> Any:
     listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
     mine = rest.list_user_checkpoints().result().checkpoints
     info = rest.get_weights_info_by_tinker_path(state).result()
+    files = sorted(rest.get_external_weights_urls(exported).result().urls)
     service.close("success").result(timeout=60)
     return (
         [r.training_run_id == trainer.model_id for r in runs.training_runs],
@@ -130,6 +133,7 @@ def rest_listing(sdk: ModuleType, base_url: str, api_key: str) -> Any:
         sorted((c.checkpoint_id, c.checkpoint_type, c.public) for c in listed),
         sorted(c.checkpoint_id for c in mine),
         (info.base_model, info.lora_rank),
+        files,
     )
 
 
@@ -220,3 +224,17 @@ def test_tokenizer_has_the_transformers_interface(live_server: LiveServer, tmp_p
     sampler = service.create_sampling_client(base_model=MODEL).result()
     assert sampler.get_tokenizer().encode(text) == ids
     service.close()
+
+
+def test_rest_snippet_results_are_not_trivial(live_server: LiveServer) -> None:
+    """The REST comparison means something: the deleted checkpoint is gone, the published one
+    is public, and the export has files."""
+    runs, run, listed, mine, info, files = rest_listing(
+        treadle, live_server.base_url, live_server.make_tenant().key
+    )
+    assert runs == [True] and run == (MODEL, 4, True)
+    assert ("sampler_weights/doomed", "sampler", False) not in listed
+    assert ("sampler_weights/shared", "sampler", True) in listed
+    assert ("weights/kept", "training", False) in listed
+    assert "sampler_weights/doomed" not in mine and info == (MODEL, 4)
+    assert any(name.endswith(".safetensors") for name in files), files

@@ -178,6 +178,14 @@ class SamplingClient(ResolvedClient):
         """`compute_logprobs`, awaited."""
         return await self.compute_logprobs(prompt)
 
+    def get_base_model(self) -> str:
+        """The base model this client samples from."""
+        return self.base_model
+
+    async def get_base_model_async(self) -> str:
+        """`get_base_model` for asyncio code."""
+        return self.base_model
+
     def get_tokenizer(self) -> Tokenizer:
         """The base model's tokenizer (see `TrainingClient.get_tokenizer`), downloaded from the
         server (needs `treadle[tokenizer]`)."""

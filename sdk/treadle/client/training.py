@@ -332,7 +332,7 @@ class TrainingClient(ResolvedClient):
         return await self._conn.call(open_sampling_client(self._session, None, model_path))
 
     def export(
-        self, name: str, *, ttl_seconds: int | None = None, merged: bool = False
+        self, name: str, ttl_seconds: int | None = None, *, merged: bool = False
     ) -> APIFuture[SaveWeightsExternalResponse]:
         """Export the weights as `tinker://{run}/external_weights/{name}`.
 
@@ -403,10 +403,12 @@ class TrainingClient(ResolvedClient):
         return await self.save_weights_and_get_sampling_client(name)
 
     async def export_async(
-        self, name: str, *, ttl_seconds: int | None = None, merged: bool = False
+        self, name: str, ttl_seconds: int | None = None, *, merged: bool = False
     ) -> APIFuture[SaveWeightsExternalResponse]:
         """`export` for asyncio code; returns the future."""
         return self.export(name, ttl_seconds=ttl_seconds, merged=merged)
+
+    save_weights_external_async = export_async
 
     # -- information ------------------------------------------------------------------------
 
