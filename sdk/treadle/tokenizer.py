@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from treadle._http import HttpClient
+from treadle.errors import InvalidArgumentError, MissingDependencyError, RequestFailedError
 
 _cache: dict[tuple[str, str], Tokenizer] = {}
 _cache_lock = threading.Lock()
@@ -29,7 +30,7 @@ def _import_tokenizers() -> Any:
     try:
         import tokenizers
     except ImportError as exc:
-        raise ImportError(
+        raise MissingDependencyError(
             "get_tokenizer builds a `tokenizers.Tokenizer`; install it with "
             "`pip install 'treadle[tokenizer]'`"
         ) from exc
@@ -97,10 +98,10 @@ class Tokenizer:
             add_special_tokens: apply the tokenizer's post-processor (e.g. a BOS token).
 
         Raises:
-            TypeError: `text` is not a string.
+            InvalidArgumentError: `text` is not a string (also a `TypeError`).
         """
         if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+            raise InvalidArgumentError(f"encode: text expected str, got {type(text).__name__}")
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -126,21 +127,24 @@ class Tokenizer:
             The token ids (encoded without special tokens added), or the text.
 
         Raises:
-            ValueError: the model has no chat template.
-            ImportError: `jinja2` is not installed.
+            InvalidArgumentError: the model has no chat template, or the template refuses the
+                conversation (e.g. roles that do not alternate); also a `ValueError`.
+            MissingDependencyError: `jinja2` is not installed (also an `ImportError`).
         """
         if not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; build the prompt")
+            raise InvalidArgumentError(
+                "this model's tokenizer has no chat template; build the prompt"
+            )
         try:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError as exc:
-            raise ImportError(
+            raise MissingDependencyError(
                 "apply_chat_template renders a jinja2 template; install it with "
                 "`pip install 'treadle[tokenizer]'`"
             ) from exc
 
         def raise_exception(message: str) -> None:
-            raise ValueError(message)
+            raise InvalidArgumentError(f"apply_chat_template: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
@@ -159,9 +163,9 @@ async def load_tokenizer(http: HttpClient, base_model: str) -> Tokenizer:
     """The `Tokenizer` of `base_model`, downloaded once per process.
 
     Raises:
-        ImportError: the `tokenizers` package is missing.
+        MissingDependencyError: the `tokenizers` package is missing (also an `ImportError`).
         NotFoundError: the server publishes no tokenizer for this model.
-        ValueError: the server's files contain no tokenizer.json.
+        RequestFailedError: the server's files contain no tokenizer.json (category `server`).
     """
     tokenizers = _import_tokenizers()
     key = (http.base_url, base_model)
@@ -171,9 +175,10 @@ async def load_tokenizer(http: HttpClient, base_model: str) -> Tokenizer:
     root = f"/api/v1/models/{base_model}/tokenizer"
     files = (await http.request("GET", root)).json().get("files", [])
     if TOKENIZER_FILE not in files:
-        raise ValueError(
+        raise RequestFailedError(
             f"the server publishes no {TOKENIZER_FILE} for {base_model!r} (files: "
-            f"{files}); ask the operator to add a fast tokenizer"
+            f"{files}); ask the operator to add a fast tokenizer",
+            category="server",
         )
     backend = tokenizers.Tokenizer.from_str(
         (await http.request("GET", f"{root}/{TOKENIZER_FILE}")).text

@@ -65,7 +65,7 @@ def surrogate_data(
     metrics and the loss value.
 
     Raises:
-        ValueError: the loss produced no gradient for some datum's logprobs.
+        InvalidArgumentError: the loss produced no gradient for some datum's logprobs.
     """
     torch = import_torch()
     logprobs = []

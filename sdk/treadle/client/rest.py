@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 
 from treadle._connection import Connection
-from treadle.errors import APIConnectionError, error_from_response
+from treadle.errors import APIConnectionError, RequestFailedError, error_from_response
 from treadle.futures import APIFuture
 from treadle.types import (
     CheckpointPath,
@@ -305,7 +305,11 @@ class RestClient:
             for relpath, url in sorted(urls.urls.items()):
                 target = (root / relpath).resolve()
                 if not target.is_relative_to(root):
-                    raise ValueError(f"refusing to write {relpath!r} outside {root}")
+                    raise RequestFailedError(
+                        f"refusing to write {relpath!r} outside {root}: the server's file "
+                        "list is wrong; tell its operator",
+                        category="server",
+                    )
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     async with plain.stream("GET", url) as response:

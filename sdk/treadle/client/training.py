@@ -428,7 +428,8 @@ class TrainingClient(ResolvedClient):
             (which tinker's `get_tokenizer` returns) have.
 
         Raises:
-            ImportError: `treadle[tokenizer]` is not installed.
+            MissingDependencyError: `treadle[tokenizer]` is not installed (also an
+                `ImportError`).
         """
         return self._conn.run(load_tokenizer(self._conn.http, self.base_model))
 
