@@ -7,6 +7,7 @@ import dataclasses
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
+from billing.tables import UsageEvent
 from core.errors import NotFound
 from core.tables import Operation, SamplingSession, TrainingRun
 from scheduler.submit import DONE, FAILED, QUEUED
@@ -21,6 +22,8 @@ class FutureState:
     error_message: str | None = None
     error_category: str | None = None
     queue_state: QueueState = "active"
+    usage: dict[str, int] | None = None
+    """Of a successful result: the op's ledger quantities by kind (`{}` when it bills nothing)."""
 
 
 def read_future(
@@ -44,7 +47,19 @@ def read_future(
         )
     status, result, codec, message, category, target_id = row
     if status == DONE:
-        return FutureState(done=True, result=result, result_codec=codec)
+        # Read with the state, in the caller's transaction: the ledger rows are written in the
+        # transaction that stores the result, so a done op's usage is complete here.
+        usage = db.execute(
+            select(UsageEvent.kind, UsageEvent.quantity).where(
+                UsageEvent.operation_id == request_id
+            )
+        ).all()
+        return FutureState(
+            done=True,
+            result=result,
+            result_codec=codec,
+            usage={kind: int(quantity) for kind, quantity in usage},
+        )
     if status == FAILED:
         return FutureState(done=True, error_message=message, error_category=category)
     if placed and status == QUEUED:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 from fastapi import APIRouter, Request
@@ -23,6 +24,9 @@ from treadle.wire import (
 )
 
 router = APIRouter(prefix="/api/v1", tags=["futures"])
+
+USAGE_HEADER = "X-Treadle-Usage"
+"""On a successful result: the op's billed quantities as compact JSON, kind -> quantity."""
 
 # Between wake-ups the database is re-read at this interval, so a lost notification costs little.
 _RECHECK_SECONDS = 1.0
@@ -44,6 +48,15 @@ def _respond(state: FutureState, request: Request) -> Response:
         return JSONResponse(
             {"error": state.error_message, "category": state.error_category or "server"}
         )
+    response = _result(state, request)
+    if state.usage is not None:
+        response.headers[USAGE_HEADER] = json.dumps(
+            state.usage, separators=(",", ":"), sort_keys=True
+        )
+    return response
+
+
+def _result(state: FutureState, request: Request) -> Response:
     assert state.result is not None
     if state.result_codec == PROTO:
         if PROTOBUF_CONTENT_TYPE in request.headers.get("accept", ""):
