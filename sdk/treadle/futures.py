@@ -25,8 +25,33 @@ class APIFuture(Generic[T]):
     from any thread or event loop.
     """
 
-    def __init__(self, future: concurrent.futures.Future[T]) -> None:
+    def __init__(
+        self,
+        future: concurrent.futures.Future[T],
+        usage: Callable[[], dict[str, int] | None] | None = None,
+    ) -> None:
         self._future = future
+        self._usage = usage
+
+    @property
+    def usage(self) -> dict[str, int] | None:
+        """The billed quantities of this request by usage kind, once its result has arrived.
+
+        The server's ledger entries for the operation, e.g. `{"training": 120}` for a
+        forward_backward, `{"sampling_prefill": 5, "sampling_sample": 32}` for a sample,
+        `{"checkpoint": 1}` for a save and `{}` for an `optim_step` (docs/protocol.md lists
+        what each call bills). For a result assembled from several requests (a batch split
+        into chunks, `forward_backward_custom`'s two passes) it is their sum.
+
+        Returns:
+            A new dict of kind -> quantity; None while the result is pending, when the request
+            failed, or when the server sent no usage (a server without this feature).
+        """
+        if self._usage is None or not self._future.done() or self._future.cancelled():
+            return None
+        if self._future.exception() is not None:
+            return None
+        return self._usage()
 
     @classmethod
     def completed(cls, value: T) -> APIFuture[T]:
@@ -77,7 +102,8 @@ class APIFuture(Generic[T]):
         self._future.add_done_callback(lambda _: callback(self))
 
     def map(self, fn: Callable[[T], U]) -> APIFuture[U]:
-        """A future of `fn(result)`; an error (also one raised by `fn`) passes through."""
+        """A future of `fn(result)`; an error (also one raised by `fn`) passes through, and
+        `usage` is this future's."""
         mapped: concurrent.futures.Future[U] = concurrent.futures.Future()
 
         def relay(source: concurrent.futures.Future[T]) -> None:
@@ -91,7 +117,7 @@ class APIFuture(Generic[T]):
                 mapped.set_exception(exc)
 
         self._future.add_done_callback(relay)
-        return APIFuture(mapped)
+        return APIFuture(mapped, self._usage)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

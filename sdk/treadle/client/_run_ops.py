@@ -17,7 +17,7 @@ import zstandard
 from pydantic import BaseModel
 
 from treadle._checks import build, check_items, check_type, optional
-from treadle._polling import retrieve, submit
+from treadle._polling import retrieve, spawn_tallied, submit
 from treadle._session import Session
 from treadle.client._chunks import merge_outputs, split_batch
 from treadle.client._custom_loss import CustomLossFn, custom_output, surrogate_data
@@ -57,7 +57,7 @@ class RunOps:
         return self._seq.reserve(count)
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
-        return APIFuture(self._conn.loop.spawn(coro))
+        return spawn_tallied(self._conn.loop, coro)
 
     def encode(
         self,

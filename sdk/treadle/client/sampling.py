@@ -20,7 +20,7 @@ import httpx
 
 from treadle._checks import build, check_type, optional
 from treadle._connection import Connection, shared_connection
-from treadle._polling import retrieve, submit
+from treadle._polling import retrieve, spawn_tallied, submit
 from treadle._session import Session
 from treadle.client._resolved import ResolvedClient
 from treadle.errors import InvalidArgumentError, RequestFailedError
@@ -139,7 +139,7 @@ class SamplingClient(ResolvedClient):
             topk_sample_logprobs=topk_sample_logprobs,
         )
         body = request.model_dump(mode="json", exclude_none=True)
-        return APIFuture(self._conn.loop.spawn(self._sample(body)))
+        return spawn_tallied(self._conn.loop, self._sample(body))
 
     async def sample_async(
         self,
