@@ -16,23 +16,33 @@ SDK = Path(__file__).resolve().parents[2] / "sdk"
 HEAVY = {"torch", "transformers", "numpy", "tokenizers", "tinker", "peft"}
 
 
-def test_pip_install_is_light(tmp_path: Path) -> None:
-    # Build from a clean copy: pip builds in the source tree and would leave build/ behind.
+def _install(tmp_path: Path, *pip_args: str) -> Path:
+    """A fresh virtual environment with the SDK installed by `pip install *pip_args <sdk>`;
+    returns the environment's folder."""
+    # Install from a clean copy: pip builds in the source tree and would leave build/ behind.
     source = tmp_path / "sdk"
     shutil.copytree(
         SDK, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
     )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    python = str(venv / "bin" / "python")
     install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
+        [
+            *(str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"),
+            *("--disable-pip-version-check", *pip_args, str(source)),
+        ],
         capture_output=True,
         text=True,
         timeout=1200,
         cwd=tmp_path,
     )
     assert install.returncode == 0, install.stderr[-4000:]
+    return venv
+
+
+def test_pip_install_is_light(tmp_path: Path) -> None:
+    venv = _install(tmp_path)
+    python = str(venv / "bin" / "python")
     listed = subprocess.run(
         [python, "-m", "pip", "list", "--format=json"],
         capture_output=True,
@@ -58,21 +68,7 @@ def test_pip_install_is_light(tmp_path: Path) -> None:
 
 
 def test_an_editable_install_is_visible_to_type_checkers(tmp_path: Path) -> None:
-    source = tmp_path / "sdk"
-    shutil.copytree(
-        SDK, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
-    )
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    python = str(venv / "bin" / "python")
-    install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--no-deps", "--editable", str(source)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert install.returncode == 0, install.stderr[-4000:]
+    python = str(_install(tmp_path, "--no-deps", "--editable") / "bin" / "python")
     snippet = tmp_path / "loop.py"
     snippet.write_text(
         "import treadle\n\n\n"
