@@ -244,7 +244,8 @@ class Engine:
         run = self._run(op.run_id)
         config = check_loss_config(op.loss_fn, op.loss_fn_config)
         info = run.model.info
-        datums = check_datums(op.data, op.loss_fn, info.vocab_size, info.max_context_length)
+        datums = check_datums(op.data, op.loss_fn, info.vocab_size, info.max_context_length,
+                              config)
         return _Prepared(op, run, datums, config)
 
     def _execute(self, prepared: list[_Prepared]) -> list[ForwardBackwardResult]:

@@ -13,6 +13,10 @@ Formulas (tinker-wire §7; `r = exp(logp − q)`, `q` = sampler logprobs, `A` = 
   dro                  −Σ (logp·A − ½·β·(logp − q)²)
   gspo                 GSPO-token: s = exp(mean over masked tokens of (sg(logp) − q)) per datum,
                        s_t = sg(s)·exp(logp − sg(logp)); −Σ min(s_t·A, clip(s_t, lo, hi)·A)
+`lo`/`hi` are loss_fn_config's thresholds, or for a datum that sends `clip_low_threshold` /
+`clip_high_threshold` in its loss_fn_inputs, those values (validation spreads them to one per
+token). A gspo datum without `sequence_ratio_mask` uses its positions with nonzero advantages
+(filled in by validation).
 `stable_reinforce` needs per-sequence information recorded by the sampler (the public docs
 do not define its objective beyond that), so validation rejects it before it gets here.
 
@@ -33,6 +37,13 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
     "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+}
+CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+# Optional loss_fn_inputs: per-datum or per-token clip thresholds for the clipped losses.
+LOSS_OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
+    "ppo": CLIP_KEYS,
+    "cispo": CLIP_KEYS,
+    "gspo": CLIP_KEYS,
 }
 CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
@@ -79,10 +90,30 @@ def importance_sampling(logp: torch.Tensor, inputs: dict[str, torch.Tensor],
     return _finish(-ratio * inputs["advantages"])
 
 
-def _clipped(ratio: torch.Tensor, adv: torch.Tensor, lo: float, hi: float
+Threshold = float | torch.Tensor
+
+
+def _thresholds(inputs: dict[str, torch.Tensor], config: dict[str, float]
+                ) -> tuple[Threshold, Threshold]:
+    """Per-token thresholds where the datums sent them, else loss_fn_config's."""
+    lo = inputs.get("clip_low_threshold")
+    hi = inputs.get("clip_high_threshold")
+    return (config["clip_low_threshold"] if lo is None else lo,
+            config["clip_high_threshold"] if hi is None else hi)
+
+
+def _clamp(ratio: torch.Tensor, lo: Threshold, hi: Threshold) -> torch.Tensor:
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        lo_t = torch.as_tensor(lo, dtype=ratio.dtype, device=ratio.device)
+        hi_t = torch.as_tensor(hi, dtype=ratio.dtype, device=ratio.device)
+        return torch.minimum(torch.maximum(ratio, lo_t), hi_t)
+    return torch.clamp(ratio, lo, hi)
+
+
+def _clipped(ratio: torch.Tensor, adv: torch.Tensor, lo: Threshold, hi: Threshold
              ) -> tuple[torch.Tensor, dict[str, float]]:
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, lo, hi) * adv
+    clipped = _clamp(ratio, lo, hi) * adv
     objective = torch.minimum(unclipped, clipped)
     frac = float(((clipped < unclipped) & (adv != 0)).sum())
     return -objective, {"clipped_tokens:sum": frac}
@@ -91,15 +122,14 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, lo: float, hi: float
 def ppo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Tensor,
         num_datums: int, config: dict[str, float]) -> LossOutput:
     ratio = torch.exp(logp - inputs["logprobs"])
-    elementwise, extra = _clipped(ratio, inputs["advantages"], config["clip_low_threshold"],
-                                  config["clip_high_threshold"])
+    elementwise, extra = _clipped(ratio, inputs["advantages"], *_thresholds(inputs, config))
     return _finish(elementwise, extra)
 
 
 def cispo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Tensor,
           num_datums: int, config: dict[str, float]) -> LossOutput:
     ratio = torch.exp(logp.detach() - inputs["logprobs"])
-    weight = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    weight = _clamp(ratio, *_thresholds(inputs, config))
     return _finish(-weight * logp * inputs["advantages"])
 
 
@@ -120,8 +150,7 @@ def gspo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Ten
     # A datum with an empty mask has sequence ratio 1 (log-ratio 0), not NaN.
     seq_log_ratio_D = total_D / count_D.clamp(min=1.0)
     ratio = torch.exp(seq_log_ratio_D[datum_N] + logp - logp.detach())
-    elementwise, extra = _clipped(ratio, inputs["advantages"], config["clip_low_threshold"],
-                                  config["clip_high_threshold"])
+    elementwise, extra = _clipped(ratio, inputs["advantages"], *_thresholds(inputs, config))
     return _finish(elementwise, extra)
 
 

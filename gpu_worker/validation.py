@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_worker.losses import LOSS_CONFIG_DEFAULTS, LOSS_CONFIG_REQUIRED, LOSS_INPUTS
+from gpu_worker.losses import (
+    CLIP_KEYS,
+    LOSS_CONFIG_DEFAULTS,
+    LOSS_CONFIG_REQUIRED,
+    LOSS_INPUTS,
+    LOSS_OPTIONAL_INPUTS,
+)
 from gpu_worker.protocol import (
     LOSS_FNS,
     AdamParams,
@@ -79,11 +85,51 @@ def check_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[str
     return merged
 
 
+def _check_thresholds(i: int, datum: Datum, n: int, config: dict[str, float]
+                      ) -> dict[str, np.ndarray]:
+    """A datum's clip thresholds, one per token: its own where sent, else the config's.
+
+    A threshold input is per datum (shape () or (1,)) or per token ((N,)).
+    """
+    out: dict[str, np.ndarray] = {}
+    for key in CLIP_KEYS:
+        if key not in datum.loss_fn_inputs:
+            out[key] = np.full(n, config[key], dtype=np.float32)
+            continue
+        arr = np.asarray(datum.loss_fn_inputs[key])
+        if arr.shape not in ((), (1,), (n,)):
+            raise UserInputError(f"datum {i}: {key} has shape {arr.shape}; send one value for "
+                                 f"the datum (shape (1,)) or one per token ({(n,)})")
+        if not np.issubdtype(arr.dtype, np.number) or not np.all(np.isfinite(arr)):
+            raise UserInputError(f"datum {i}: {key} must hold finite numbers "
+                                 "(no NaN or inf); fix the values before sending")
+        out[key] = np.broadcast_to(arr.astype(np.float32).reshape(-1), (n,)).copy()
+    lo, hi = out["clip_low_threshold"], out["clip_high_threshold"]
+    if not (np.all(lo >= 0) and np.all(lo <= 1) and np.all(hi >= 1)):
+        raise UserInputError(f"datum {i}: clip thresholds are ratios: need 0 ≤ "
+                             "clip_low_threshold ≤ 1 ≤ clip_high_threshold at every token, got "
+                             f"[{lo.min():g}, {lo.max():g}] and [{hi.min():g}, {hi.max():g}]")
+    return out
+
+
 def check_datums(data: list[Datum], loss_fn: str, vocab_size: int,
-                 max_context: int) -> list[CheckedDatum]:
+                 max_context: int, config: dict[str, float] | None = None
+                 ) -> list[CheckedDatum]:
+    """Check and densify one call's datums; `config` is the checked loss_fn_config.
+
+    Optional inputs: clip thresholds (ppo, cispo, gspo) — when any datum sends one, every
+    datum gets both, one per token, from its own inputs or from `config`; and gspo's
+    `sequence_ratio_mask`, which defaults to the datum's positions with nonzero advantages.
+    """
     if not data:
         raise UserInputError("forward_backward needs at least one datum")
     required = LOSS_INPUTS[loss_fn]
+    optional = LOSS_OPTIONAL_INPUTS.get(loss_fn, ())
+    if loss_fn == "gspo":
+        required = tuple(k for k in required if k != "sequence_ratio_mask")
+        optional = (*optional, "sequence_ratio_mask")
+    with_clip = any(k in d.loss_fn_inputs for d in data for k in CLIP_KEYS if k in optional)
+    merged = check_loss_config(loss_fn, config) if with_clip else {}
     checked: list[CheckedDatum] = []
     widths: set[int] = set()
     for i, datum in enumerate(data):
@@ -94,10 +140,11 @@ def check_datums(data: list[Datum], loss_fn: str, vocab_size: int,
         if missing:
             raise UserInputError(f"datum {i}: loss_fn {loss_fn} needs loss_fn_inputs "
                                  f"{list(required)}; missing {missing}")
-        extra = sorted(keys - set(required))
+        extra = sorted(keys - set(required) - set(optional))
         if extra:
+            hint = f" (optional: {list(optional)})" if optional else ""
             raise UserInputError(f"datum {i}: loss_fn_inputs keys {extra} are not used by "
-                                 f"{loss_fn}; send only {list(required)}")
+                                 f"{loss_fn}; send only {list(required)}{hint}")
         inputs: dict[str, np.ndarray] = {}
         target = np.asarray(datum.loss_fn_inputs["target_tokens"])
         two_d = loss_fn == "cross_entropy" and target.ndim == 2
@@ -112,7 +159,10 @@ def check_datums(data: list[Datum], loss_fn: str, vocab_size: int,
             widths.add(target.shape[1])
         else:
             widths.add(0)
-        for key in required[1:]:
+        vector_keys = [*required[1:]]
+        if "sequence_ratio_mask" in keys and loss_fn == "gspo":
+            vector_keys.append("sequence_ratio_mask")
+        for key in vector_keys:
             arr = np.asarray(datum.loss_fn_inputs[key])
             want_shape = target.shape if key == "weights" else (n,)
             if arr.shape != want_shape:
@@ -122,6 +172,10 @@ def check_datums(data: list[Datum], loss_fn: str, vocab_size: int,
                 raise UserInputError(f"datum {i}: {key} must hold finite numbers "
                                      "(no NaN or inf); fix the values before sending")
             inputs[key] = arr.astype(np.float32)
+        if loss_fn == "gspo" and "sequence_ratio_mask" not in inputs:
+            inputs["sequence_ratio_mask"] = (inputs["advantages"] != 0).astype(np.float32)
+        if with_clip:
+            inputs.update(_check_thresholds(i, datum, n, merged))
         checked.append(CheckedDatum(tokens=tokens, inputs=inputs))
     if len(widths) > 1:
         raise UserInputError("all datums of one call must use the same target_tokens shape "

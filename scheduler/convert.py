@@ -57,10 +57,15 @@ def _tokens(model_input: Any, where: str) -> list[int]:
     return tokens
 
 
+# Loss inputs that may hold one value for the whole datum instead of one per token.
+PER_DATUM_INPUTS = ("clip_low_threshold", "clip_high_threshold")
+
+
 def check_shapes(request: ForwardBackwardRequest) -> None:
     """Refuse loss inputs whose shapes do not fit their datum, before anything densifies them.
 
-    Each loss input is `(N,)` or `(N, K)` with N the datum's token count and 1 ≤ K ≤ MAX_TOP_K;
+    Each loss input is `(N,)` or `(N, K)` with N the datum's token count and 1 ≤ K ≤ MAX_TOP_K,
+    except that a clip threshold may also be one value for the datum (`()` or `(1,)`);
     CSR tensors are checked for consistency when they are parsed, and together no request may
     expand to more than MAX_DENSE_ENTRIES entries.
     """
@@ -70,6 +75,9 @@ def check_shapes(request: ForwardBackwardRequest) -> None:
         for name, tensor in datum.loss_fn_inputs.items():
             where = f"data[{i}].loss_fn_inputs[{name!r}]"
             shape = tensor.dense_shape
+            if name in PER_DATUM_INPUTS and list(shape) in ([], [1]):
+                entries += 1
+                continue
             if len(shape) not in (1, 2) or shape[0] != n:
                 raise ep.UserInputError(
                     f"{where} has shape {_short(shape)} but the datum has N={n} tokens; "

@@ -46,8 +46,9 @@ def datum_loss(
     loss_fn: str, logp: torch.Tensor, inputs: dict[str, np.ndarray], config: dict[str, float]
 ) -> torch.Tensor:
     f = {k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items() if k != "target_tokens"}
-    lo = config.get("clip_low_threshold", 0.8)
-    hi = config.get("clip_high_threshold", 1.2)
+    # A datum's own clip thresholds (one value or one per token) override the config's.
+    lo = f.get("clip_low_threshold", torch.tensor(config.get("clip_low_threshold", 0.8)))
+    hi = f.get("clip_high_threshold", torch.tensor(config.get("clip_high_threshold", 1.2)))
     if loss_fn == "cross_entropy":
         return -(f["weights"] * logp).sum()
     q, adv = f["logprobs"], f["advantages"]
@@ -63,7 +64,8 @@ def datum_loss(
         beta = config["beta"]
         return -(logp * adv - 0.5 * beta * (logp - q) ** 2).sum()
     if loss_fn == "gspo":
-        m = f["sequence_ratio_mask"] != 0
+        # Without a mask, the ratio is taken over the positions with nonzero advantages.
+        m = f["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in f else adv != 0
         seq = (logp.detach() - q)[m].mean() if bool(m.any()) else torch.tensor(0.0)
         s = torch.exp(seq) * torch.exp(logp - logp.detach())
         return -torch.min(s * adv, torch.clamp(s, lo, hi) * adv).sum()

@@ -172,3 +172,96 @@ def test_qwen2_architecture_matches_reference(engine):
         assert_grads_close(adapter_grads(engine, run), ref_grads)
     finally:
         engine.remove_run(run)
+
+
+def _with_thresholds(data: list[Datum]) -> list[Datum]:
+    """Datum 0 sends one threshold pair, datum 1 one pair per token, datum 2 none."""
+    rng = np.random.default_rng(5)
+    out = []
+    for i, d in enumerate(data):
+        inputs = dict(d.loss_fn_inputs)
+        n = len(d.tokens)
+        if i == 0:
+            inputs["clip_low_threshold"] = np.array([0.97], dtype=np.float32)
+            inputs["clip_high_threshold"] = np.array([1.02], dtype=np.float32)
+        elif i == 1:
+            inputs["clip_low_threshold"] = rng.uniform(0.5, 1.0, n).astype(np.float32)
+            inputs["clip_high_threshold"] = rng.uniform(1.0, 1.5, n).astype(np.float32)
+        out.append(Datum(d.tokens, inputs))
+    return out
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
+def test_per_datum_clip_thresholds_override_the_config(engine, loss_fn):
+    run = f"clip-{loss_fn}"
+    engine.create_run(run, TINY, LoraSpec(rank=4, seed=1))
+    try:
+        randomize_adapter(engine, run, seed=2)
+        plain = make_data(loss_fn, seed=3)
+        data = _with_thresholds(plain)
+        config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+        baseline = engine.forward(run, plain, loss_fn, config)
+        result = engine.forward_backward(run, data, loss_fn, config)
+        ref_loss, _, ref_grads = reference(engine, run, loss_fn, data, config)
+        assert result.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-4)
+        assert_grads_close(adapter_grads(engine, run), ref_grads)
+        # The thresholds matter: the same datums under the config's thresholds score differently.
+        assert abs(baseline.metrics["loss:sum"] - ref_loss) > 1e-3
+        # Datum 2 sent none, so it keeps the config's thresholds exactly.
+        np.testing.assert_allclose(
+            result.loss_fn_outputs[2]["elementwise_loss"],
+            baseline.loss_fn_outputs[2]["elementwise_loss"],
+            atol=1e-6,
+        )
+    finally:
+        engine.remove_run(run)
+
+
+def test_gspo_without_a_mask_uses_the_positions_with_nonzero_advantages(engine):
+    run = "gspo-default-mask"
+    engine.create_run(run, TINY, LoraSpec(rank=4, seed=1))
+    try:
+        randomize_adapter(engine, run, seed=2)
+        data = []
+        for d in make_data("gspo", seed=4):
+            inputs = {k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"}
+            adv = inputs["advantages"].copy()
+            adv[: len(adv) // 2] = 0.0  # a prompt, as the cookbook's RL data has it
+            inputs["advantages"] = adv
+            data.append(Datum(d.tokens, inputs))
+        result = engine.forward_backward(run, data, "gspo", {})
+        ref_loss, _, ref_grads = reference(engine, run, "gspo", data, {})
+        assert result.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-4)
+        assert_grads_close(adapter_grads(engine, run), ref_grads)
+        # An all-ones mask (prompt included) gives a different sequence ratio, so a different loss.
+        ones = [
+            Datum(
+                d.tokens,
+                {**d.loss_fn_inputs, "sequence_ratio_mask": np.ones(len(d.tokens), np.float32)},
+            )
+            for d in data
+        ]
+        other = engine.forward(run, ones, "gspo", {})
+        assert abs(other.metrics["loss:sum"] - ref_loss) > 1e-4
+    finally:
+        engine.remove_run(run)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("clip_low_threshold", np.array([0.5, 0.6], np.float32), "shape"),
+        ("clip_low_threshold", np.array([1.5], np.float32), "0 ≤ clip_low_threshold ≤ 1"),
+        ("clip_high_threshold", np.array([np.nan], np.float32), "finite"),
+    ],
+)
+def test_bad_clip_thresholds_are_user_errors(engine, key, value, message):
+    from gpu_worker.protocol import UserInputError
+    from gpu_worker.validation import check_datums
+
+    data = make_data("ppo", seed=3)
+    data[0] = Datum(data[0].tokens, {**data[0].loss_fn_inputs, key: value})
+    with pytest.raises(UserInputError, match=message):
+        check_datums(data, "ppo", VOCAB, 64, {})
+    with pytest.raises(UserInputError, match="not used by importance_sampling"):
+        check_datums(data, "importance_sampling", VOCAB, 64, {})

@@ -79,7 +79,10 @@ CASES = [
         [Datum([1, 2], {"target_tokens": [1, 2], "weights": [1, 1], "mask": [1, 1]})],
         "not used",
     ),
-    ("gspo", None, [rl()], "sequence_ratio_mask"),
+    ("gspo", None, [rl(sequence_ratio_mask=np.ones(5, np.float32))], "sequence_ratio_mask"),
+    ("ppo", None, [rl(clip_high_threshold=np.full(4, 1.1, np.float32))], "clip_high_threshold"),
+    ("cispo", None, [rl(clip_low_threshold=np.array([1.3], np.float32))], "ratios"),
+    ("importance_sampling", None, [rl(clip_low_threshold=np.array([0.9]))], "not used"),
     (
         "cross_entropy",
         None,
