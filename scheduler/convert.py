@@ -79,9 +79,13 @@ def check_shapes(request: ForwardBackwardRequest) -> None:
                 entries += 1
                 continue
             if len(shape) not in (1, 2) or shape[0] != n:
+                allowed = (
+                    "a clip threshold must be one value (1,) or one per token (N,)"
+                    if name in PER_DATUM_INPUTS
+                    else "loss inputs must be (N,) or (N, K), one row per input token"
+                )
                 raise ep.UserInputError(
-                    f"{where} has shape {_short(shape)} but the datum has N={n} tokens; "
-                    "loss inputs must be (N,) or (N, K), one row per input token"
+                    f"{where} has shape {_short(shape)} but the datum has N={n} tokens; {allowed}"
                 )
             if len(shape) == 2 and not 1 <= shape[1] <= MAX_TOP_K:
                 raise ep.UserInputError(
