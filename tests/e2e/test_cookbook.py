@@ -237,19 +237,19 @@ def test_chat_sl_on_a_jsonl_file_trains_and_resumes_with_its_optimizer_state(
         assert final is not None and final.step == saved_steps + 4
 
 
-def _math_rl_args(steps: int) -> list[str]:
+def _math_rl_args(steps: int, loss_fn: str = "importance_sampling") -> list[str]:
     # math_rl defaults to loss_fn=stable_reinforce, which needs record_stability_info on
     # samples and provenance spans; Treadle rejects that with a clear error, so these runs
-    # choose importance_sampling through the recipe's own config.
+    # choose another loss through the recipe's own config.
     return [
-        "env=arithmetic", "loss_fn=importance_sampling", "groups_per_batch=2", "group_size=2",
+        "env=arithmetic", f"loss_fn={loss_fn}", "groups_per_batch=2", "group_size=2",
         "max_tokens=5", f"max_steps={steps}", "eval_every=0", "save_every=0",
         "behavior_if_log_dir_exists=delete",
     ]  # fmt: skip
 
 
 def _check_rl_run(
-    server: CookbookServer, log_path: Path, steps: int
+    server: CookbookServer, log_path: Path, steps: int, loss_fn: str = "importance_sampling"
 ) -> tuple[str, dict[int, dict[str, Any]]]:
     rows = _step_rows(log_path)
     assert sorted(rows) == list(range(steps))
@@ -264,7 +264,7 @@ def _check_rl_run(
     ops = _ops(server, run_id)
     assert all(op.status == "done" for op in ops)
     assert _count(ops, OpKind.FORWARD_BACKWARD) == _count(ops, OpKind.OPTIM_STEP) == steps
-    assert _loss_fns(ops) == {"importance_sampling"}
+    assert _loss_fns(ops) == {loss_fn}
     return run_id, rows
 
 
@@ -289,6 +289,21 @@ def test_math_rl_arithmetic_sync(server: CookbookServer, tmp_path: Path) -> None
     assert len(samples) == 2 * 4
     assert all(op.status == "done" for op in samples)
     assert len({op.target_id for op in samples}) == 2
+
+
+def test_math_rl_arithmetic_with_gspo_and_no_sequence_ratio_mask(
+    server: CookbookServer, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "math_rl_gspo"
+    _run_recipe(server, RL_RECIPE, log_path, *_math_rl_args(1, "gspo"))
+    run_id, _ = _check_rl_run(server, log_path, 1, "gspo")
+    # The cookbook sends no sequence_ratio_mask, so the server's default was what ran.
+    for op in _ops(server, run_id):
+        if op.kind == OpKind.FORWARD_BACKWARD.value:
+            encoding = op.payload_codec.split("+")[1]
+            request = decode_forward_backward_request(op.payload, encoding)
+            assert request.data
+            assert all("sequence_ratio_mask" not in d.loss_fn_inputs for d in request.data)
 
 
 def test_math_rl_arithmetic_async(server: CookbookServer, tmp_path: Path) -> None:
