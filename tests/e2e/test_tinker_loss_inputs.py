@@ -67,7 +67,10 @@ def test_per_datum_clip_thresholds_replace_the_config_for_their_datum(
     rows = _rl_data(0)
     per_token_lo = np.linspace(0.3, 0.9, len(rows[1][0]) - 1).astype(np.float32)
     thresholds: list[dict[str, object]] = [
-        {"clip_low_threshold": [0.5], "clip_high_threshold": [3.0]},  # one value for the datum
+        {  # one value for the datum, as a 0-d and a (1,) tensor
+            "clip_low_threshold": types.TensorData.from_numpy(np.array(0.5, np.float32)),
+            "clip_high_threshold": [3.0],
+        },
         {"clip_low_threshold": per_token_lo.tolist(), "clip_high_threshold": [1.05]},
         {},  # keeps loss_fn_config's
     ]
