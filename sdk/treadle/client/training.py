@@ -113,8 +113,13 @@ class TrainingClient(ResolvedClient):
                 * `cross_entropy`: `target_tokens`, `weights`.
                 * `importance_sampling`, `ppo`, `cispo`, `dro`: `target_tokens`, `logprobs`
                   (the sampler's logprobs of the targets), `advantages`.
-                * `gspo`: `target_tokens`, `logprobs`, `advantages` and
-                  `sequence_ratio_mask` (1 where a token counts in the sequence's ratio).
+                * `gspo`: `target_tokens`, `logprobs`, `advantages`, and optionally
+                  `sequence_ratio_mask` (1 where a token counts in the sequence's ratio;
+                  without it, the positions with nonzero advantages count).
+
+                `ppo`, `cispo` and `gspo` also take optional `clip_low_threshold` and
+                `clip_high_threshold` inputs, one value per datum or one per position, that
+                replace `loss_fn_config`'s thresholds for that datum.
 
                 `dro` also needs `loss_fn_config={"beta": ...}`. `stable_reinforce` and
                 `custom` are in the type for tinker code, but this server refuses them; use
