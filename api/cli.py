@@ -6,13 +6,16 @@ machine); customers use the HTTP API.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shlex
+import socket
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.measure import Measurement
+from rich.table import Column, Table
 
 from core import apikeys, tenants
 from core.clock import SystemClock
@@ -73,6 +76,9 @@ def serve(
         raise _fail(
             "TREADLE_REDIS_URL is set: use `treadle-server api` (and workers) for distributed mode"
         )
+    # The port is tried before anything else (the key above all): a server that cannot listen
+    # must not make a key nor print one. It stays held until uvicorn binds it.
+    probe = _bind(settings.host, settings.port)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -111,7 +117,37 @@ def serve(
         soft_wrap=True,
         markup=False,
     )
+    probe.close()
     uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening); fails naming the port and how to choose
+    another when it is taken or not allowed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    # As uvicorn does: a port left in TIME_WAIT by a server that just stopped is free.
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        change = "choose another with --port N (or TREADLE_PORT)"
+        if exc.errno == errno.EADDRINUSE:
+            raise _fail(
+                f"port {port} on {host} is already in use (another Treadle or another program "
+                f"listens there): stop it, or {change}"
+            ) from None
+        if exc.errno == errno.EACCES:
+            raise _fail(
+                f"no permission to listen on port {port} on {host} (ports below 1024 need "
+                f"privileges): {change}"
+            ) from None
+        raise _fail(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}): {change}, "
+            "or another address with --host (or TREADLE_HOST)"
+        ) from None
+    return listener
 
 
 def _distributed_settings(command: str) -> Settings:
@@ -221,6 +257,15 @@ def downgrade(revision: Annotated[str, typer.Argument(help="Target revision, or 
     database = Database(Settings().resolved_database_url)
     dbschema.downgrade(database, revision)
     console.print(f"database at revision [yellow]{dbschema.current_revision(database)}[/]")
+
+
+def _print_table(table: Table) -> None:
+    """Print a table at its natural width even where the terminal is narrower: the terminal then
+    wraps its lines, but no cell is cut, folded or ellipsized (`admin keys revoke` and `admin
+    tenants update` need ids and names whole). Rich would shrink the widest columns first, ids
+    and timestamps included, whatever their shortest width."""
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    (console if needed <= console.width else Console(width=needed)).print(table)
 
 
 def _limits_text(value: int | None) -> str:
@@ -351,7 +396,7 @@ def tenants_update(
 def tenants_list() -> None:
     """List tenants with their limits."""
     table = Table(
-        "id",
+        Column("id", no_wrap=True),
         "name",
         "max sessions",
         "max rank",
@@ -373,7 +418,7 @@ def tenants_list() -> None:
                 *(_resource_limit_text(t, name) for name in tenants.RESOURCE_LIMIT_NAMES),
                 t.created_at.isoformat(timespec="seconds"),
             )
-    console.print(table)
+    _print_table(table)
 
 
 @keys_cli.command("create")
@@ -408,7 +453,9 @@ def keys_list(
     tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
 ) -> None:
     """List API keys (never their secrets)."""
-    table = Table("key id", "tenant", "name", "scope", "created", "last used", "revoked")
+    table = Table(
+        Column("key id", no_wrap=True), "tenant", "name", "scope", "created", "last used", "revoked"
+    )
     with _database(Settings()).transaction() as db:
         tenant_id = tenants.find_tenant(db, tenant).id if tenant else None
         names = {t.id: t.name for t in tenants.list_tenants(db)}
@@ -422,7 +469,7 @@ def keys_list(
                 k.last_used_at.isoformat(timespec="seconds") if k.last_used_at else "never",
                 k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
             )
-    console.print(table)
+    _print_table(table)
 
 
 @keys_cli.command("revoke")

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ KEY_RE = re.compile(r"tml-[0-9a-f]{12}-[A-Za-z0-9_-]{32,}")
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
-    env.update(TREADLE_DATA_DIR=str(tmp_path / "data"), COLUMNS="200", **extra)
+    env.update(TREADLE_DATA_DIR=str(tmp_path / "data"), COLUMNS="200")
+    env.update(extra)
     return env
 
 
@@ -161,6 +163,44 @@ def test_admin_commands_manage_tenants_and_keys(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "no API key" in missing.stderr
     bad_scope = _run(tmp_path, "admin", "keys", "create", "acme", "--scope", "root")
     assert bad_scope.returncode == 2 and "tenant, admin" in bad_scope.stderr
+
+
+def test_serve_on_a_taken_port_fails_before_making_a_key(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run(tmp_path, "serve", "--port", str(port))
+        by_variable = _run(tmp_path, "serve", TREADLE_PORT=str(port))
+    for failed in (result, by_variable):
+        output = failed.stdout + failed.stderr
+        assert failed.returncode == 2, output
+        assert f"port {port}" in output and "already in use" in output, output
+        assert "--port" in output and "TREADLE_PORT" in output, output
+        assert "Traceback" not in output and not KEY_RE.search(output), output
+        assert "API key" not in output, output
+    assert not (tmp_path / "data" / "default-api-key").exists()
+
+
+def test_admin_lists_show_ids_whole_in_a_narrow_terminal(tmp_path: Path) -> None:
+    name = "a-tenant-with-a-rather-long-name"
+    assert _run(tmp_path, "admin", "tenants", "create", name).returncode == 0
+    key = _run(tmp_path, "admin", "keys", "create", name, "--name", "laptop").stdout.strip()
+    key_id = key.split("-")[1]
+    narrow = {"COLUMNS": "40"}
+    keys = _run(tmp_path, "admin", "keys", "list", **narrow)
+    tenants = _run(tmp_path, "admin", "tenants", "list", **narrow)
+    assert keys.returncode == 0 and tenants.returncode == 0, keys.stderr + tenants.stderr
+    tenant_id = re.search(r"tn_[0-9a-f]{16}", tenants.stdout)
+    assert tenant_id, tenants.stdout
+    for listing in (keys.stdout, tenants.stdout):
+        assert name in listing and "…" not in listing, listing
+    assert key_id in keys.stdout, keys.stdout
+    # The ids as listed are the ones the other commands take.
+    assert _run(tmp_path, "admin", "keys", "revoke", key_id).returncode == 0
+    assert _run(tmp_path, "admin", "tenants", "update", name, "--max-sessions", "2").returncode == 0
+    revoked = _run(tmp_path, "admin", "keys", "list", "--tenant", name, **narrow).stdout
+    assert re.search(rf"{key_id} .*\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d\S* +│$", revoked, re.M), revoked
 
 
 def test_distributed_mode_requires_an_explicit_secret(tmp_path: Path) -> None:
