@@ -22,7 +22,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: an unpinned torch (or one pulled in by peft) can be a multi-GB CUDA build.
 # On CPU-only machines of this project's kind, 2.13.0 resolves to the local CPU wheel.
 python -c 'import torch' 2>/dev/null || pip install -q "torch==${TREADLE_TORCH_VERSION:-2.13.0}"
-pip install -q -e ./sdk -e ./cookbook -e ".[worker,test]"
+pip install -q -e "./sdk[cli]" -e ./cookbook -e ".[worker,test]"
 # tinker-cookbook's end-to-end tests: its metadata asks for packages this registry lacks
 # (tml-renderers), so it goes in without dependencies, plus what its recipes import.
 pip install -q --no-deps "tinker-cookbook==0.6.1"

@@ -1,4 +1,5 @@
-"""`pip install ./sdk` into a fresh virtual environment pulls no torch and no transformers."""
+"""`pip install ./sdk` into a fresh virtual environment pulls no torch and no transformers, nor
+the `treadle` command's typer and rich (the `cli` extra)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 SDK = Path(__file__).resolve().parents[2] / "sdk"
 HEAVY = {"torch", "transformers", "numpy", "tokenizers", "tinker", "peft"}
+CLI_ONLY = {"typer", "rich", "click"}
 
 
 def _install(tmp_path: Path, *pip_args: str) -> Path:
@@ -53,18 +55,35 @@ def test_pip_install_is_light(tmp_path: Path) -> None:
     installed = {p["name"].lower() for p in json.loads(listed.stdout)}
     assert "treadle" in installed
     assert not installed & HEAVY, sorted(installed & HEAVY)
+    assert not installed & CLI_ONLY, sorted(installed & CLI_ONLY)
     smoke = subprocess.run(
-        [python, "-c", "import treadle, treadle.types, treadle.wire, treadle.cli; print('ok')"],
+        [python, "-c", "import treadle, treadle.types, treadle.wire; print('ok')"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,  # never the source tree
     )
     assert smoke.stdout.strip() == "ok", smoke.stderr
-    cli = subprocess.run(
-        [str(venv / "bin" / "treadle"), "--help"], capture_output=True, text=True, timeout=120
+    command = [str(venv / "bin" / "treadle"), "--help"]
+    hint = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert hint.returncode == 1, hint.stdout + hint.stderr
+    assert hint.stdout == "" and len(hint.stderr.splitlines()) == 1, hint.stderr
+    assert "pip install 'treadle[cli]'" in hint.stderr, hint.stderr
+
+    # The extra brings the command.
+    extra = subprocess.run(
+        [
+            *(python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"),
+            f"{tmp_path / 'sdk'}[cli]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=tmp_path,
     )
-    assert cli.returncode == 0 and "checkpoints" in cli.stdout
+    assert extra.returncode == 0, extra.stderr[-4000:]
+    cli = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert cli.returncode == 0 and "checkpoints" in cli.stdout, cli.stdout + cli.stderr
 
 
 def test_an_editable_install_is_visible_to_type_checkers(tmp_path: Path) -> None:
