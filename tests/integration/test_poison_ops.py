@@ -112,6 +112,17 @@ class Tenants:
             app.run(attacker),
         )
 
+    def crash_together(self, app: EmbeddedApp, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        """Log seq 1 of the victim and of the attacker for one tick, where every engine step
+        holding the attacker's op fails as a whole; returns (victim's, attacker's) request ids."""
+        _crash_on(self.attacker_run, monkeypatch)
+        return app.log_together(
+            [
+                (self.victim_run, 1, _honest(self.victim_run, 1)),
+                (self.attacker_run, 1, _honest(self.attacker_run, 1)),
+            ]
+        )
+
     def expected(self, app: EmbeddedApp, *seq_ids: int) -> list[float]:
         """The reference's losses for train steps at these seq ids."""
         return [_train_step(app, self.reference, self.reference_run, seq) for seq in seq_ids]
@@ -261,10 +272,7 @@ def test_a_step_that_fails_as_a_whole_releases_its_ops_and_gives_up_on_the_culpr
         )
         [expected] = t.expected(app, 1)
 
-        _crash_on(attacker_run, monkeypatch)
-        honest, poison = app.log_together(
-            [(victim_run, 1, _honest(victim_run, 1)), (attacker_run, 1, _honest(attacker_run, 1))],
-        )
+        honest, poison = t.crash_together(app, monkeypatch)
 
         failed = app.result(attacker, poison)
         assert failed["category"] == "server" and "interrupted 3 times" in failed["error"], failed
@@ -296,10 +304,7 @@ def test_ops_left_running_by_a_crash_are_retried_alone_after_a_restart(
             t.attacker_run,
         )
         expected = t.expected(app, 1, 3)
-        _crash_on(attacker_run, monkeypatch)
-        honest, poison = app.log_together(
-            [(victim_run, 1, _honest(victim_run, 1)), (attacker_run, 1, _honest(attacker_run, 1))],
-        )
+        honest, poison = t.crash_together(app, monkeypatch)
         app.result(attacker, poison)
     # As if the process had died while both were claimed in one step: they stay running under
     # the worker's id, one attempt used.
