@@ -115,6 +115,10 @@ SESSION, RUN, SAMPLER, REQUEST, CHECKPOINT, LINK = (
 IN_URL: Ref = ("run_id", "kind", "name")
 NEW_NAME = {"path": "the name of the checkpoint to create, under the caller's own run"}
 BASE_MODEL = {"model": "a base model, served to every tenant alike"}
+HUB_REPO = {
+    "repo_id": "a base model, served to every tenant alike (no key needed)",
+    "revision": "'main' or the commit id of that base model's tokenizer",
+}
 
 
 def _owner_only(body: dict[str, Any] | None = None) -> Route:
@@ -147,6 +151,16 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("GET", f"{API}/models/{{model}}/tokenizer"): Route(not_references=BASE_MODEL),
     ("GET", f"{API}/models/{{model}}/tokenizer/{{filename}}"): Route(
         not_references={**BASE_MODEL, "filename": "a file of that base model's tokenizer"}
+    ),
+    # The Hugging Face hub endpoint: base models' tokenizers, public and the same for all.
+    ("GET", "/hf/{repo_id}/resolve/{revision}/{filename}"): Route(
+        not_references={**HUB_REPO, "filename": "a file of that base model's tokenizer"}
+    ),
+    ("GET", "/hf/api/models/{repo_id}"): Route(not_references=HUB_REPO),
+    ("GET", "/hf/api/models/{repo_id}/revision/{revision}"): Route(not_references=HUB_REPO),
+    ("GET", "/hf/api/models/{repo_id}/tree/{revision}"): Route(not_references=HUB_REPO),
+    ("GET", "/hf/api/models/{repo_id}/tree/{revision}/{folder}"): Route(
+        not_references={**HUB_REPO, "folder": "a folder of that base model's tokenizer"}
     ),
     ("POST", f"{API}/session_heartbeat"): Route((Call({("session_id",): SESSION}),)),
     ("GET", f"{API}/sessions/{{session_id}}"): Route((Call({("session_id",): SESSION}),)),
