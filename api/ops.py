@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.orm import Session as OrmSession
@@ -9,12 +10,13 @@ from sqlalchemy.orm import Session as OrmSession
 from api.deps import AppState
 from core import runs, sessions
 from core.apikeys import Principal
-from core.errors import InvalidInput
+from core.errors import InvalidInput, SessionExpired, TreadleError
 from core.ids import training_run_id
 from core.tables import Tenant, TrainingRun
 from scheduler.admission import admit_training_run
-from scheduler.ops import OpKind, encode_json_payload
-from scheduler.submit import Submitted, submit
+from scheduler.ops import OpKind, encode_json_payload, refused
+from scheduler.submit import Submitted, submit, submit_training_op
+from treadle.types import UntypedAPIFuture
 
 
 def active_run(db: OrmSession, state: AppState, principal: Principal, model_id: str) -> TrainingRun:
@@ -113,3 +115,31 @@ def open_run(
         payload_codec=codec,
     )
     return run, submitted
+
+
+def submit_json_op(
+    state: AppState,
+    principal: Principal,
+    model_id: str,
+    seq_id: int,
+    kind: OpKind,
+    payload: dict[str, object] | Callable[[OrmSession, TrainingRun], dict[str, object]],
+) -> UntypedAPIFuture:
+    """Submit an op on the caller's run. `payload` may be a function that checks the request
+    against the run and builds the payload; if it refuses the request, the op is still queued —
+    it fails through its future in the run's order — so the client's next seq_id never waits
+    for one that will not come."""
+    with state.database.transaction() as db:
+        run = active_run(db, state, principal, model_id)
+        try:
+            content = payload(db, run) if callable(payload) else payload
+        except TreadleError as exc:
+            if exc.category != "user" or isinstance(exc, SessionExpired):
+                raise
+            content = refused(exc.message)
+        data, codec = encode_json_payload(content)
+        submitted = submit_training_op(
+            db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data, payload_codec=codec
+        )
+    state.dispatcher.wake(run.id)
+    return UntypedAPIFuture(request_id=submitted.request_id, model_id=model_id)

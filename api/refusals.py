@@ -13,11 +13,10 @@ import logging
 from typing import Any
 
 from api.deps import AppState
-from api.ops import active_run
+from api.ops import submit_json_op
 from core import apikeys
 from core.errors import TreadleError
-from scheduler.ops import OpKind, encode_json_payload, refused
-from scheduler.submit import submit_training_op
+from scheduler.ops import OpKind, refused
 from treadle.types.bounds import MAX_SEQ_ID
 
 log = logging.getLogger(__name__)
@@ -48,23 +47,11 @@ def keep_place(state: AppState, path: str, api_key: str | None, body: Any, messa
     try:
         with state.database.reader() as db:
             principal = apikeys.authenticate(db, state.clock, state.server_secret, api_key)
-        with state.database.transaction() as db:
-            run = active_run(db, state, principal, model_id)
-            # A refused forward pass (forward_only) must not fail the run's next optim_step.
-            content = {**refused(message), "forward_only": body.get("forward_only") is True}
-            payload, codec = encode_json_payload(content)
-            submit_training_op(
-                db,
-                state.clock,
-                run=run,
-                seq_id=seq_id,
-                kind=kind,
-                payload=payload,
-                payload_codec=codec,
-            )
+        # A refused forward pass (forward_only) must not fail the run's next optim_step.
+        content = {**refused(message), "forward_only": body.get("forward_only") is True}
+        submit_json_op(state, principal, model_id, seq_id, kind, content)
     except TreadleError:
         return
     log.info(
         "refused %s seq %d of %s at the API; its place in the order is kept", kind, seq_id, model_id
     )
-    state.dispatcher.wake(model_id)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from sqlalchemy.orm import Session as OrmSession
@@ -11,10 +9,10 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses, raw_request_body
-from api.ops import active_run, check_base_model, open_run
+from api.ops import active_run, check_base_model, open_run, submit_json_op
 from api.validation import clip, describe
 from core import runs
-from core.errors import InvalidInput, PayloadTooLarge, SessionExpired, TreadleError
+from core.errors import InvalidInput, PayloadTooLarge
 from core.tables import TrainingRun
 from scheduler.convert import check_request_shapes
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload, refused
@@ -213,31 +211,3 @@ def unload_model(
 ) -> UntypedAPIFuture:
     """Frees the run's memory once every request submitted before it has run."""
     return submit_json_op(state, principal, body.model_id, UNLOAD_SEQ, OpKind.UNLOAD_MODEL, {})
-
-
-def submit_json_op(
-    state: State,
-    principal: CurrentPrincipal,
-    model_id: str,
-    seq_id: int,
-    kind: OpKind,
-    payload: dict[str, object] | Callable[[OrmSession, TrainingRun], dict[str, object]],
-) -> UntypedAPIFuture:
-    """Submit an op on the caller's run. `payload` may be a function that checks the request
-    against the run and builds the payload; if it refuses the request, the op is still queued —
-    it fails through its future in the run's order — so the client's next seq_id never waits
-    for one that will not come."""
-    with state.database.transaction() as db:
-        run = active_run(db, state, principal, model_id)
-        try:
-            content = payload(db, run) if callable(payload) else payload
-        except TreadleError as exc:
-            if exc.category != "user" or isinstance(exc, SessionExpired):
-                raise
-            content = refused(exc.message)
-        data, codec = encode_json_payload(content)
-        submitted = submit_training_op(
-            db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data, payload_codec=codec
-        )
-    state.dispatcher.wake(run.id)
-    return UntypedAPIFuture(request_id=submitted.request_id, model_id=model_id)

@@ -9,8 +9,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS
-from api.ops import check_base_model, open_run
-from api.routes.training import submit_json_op
+from api.ops import check_base_model, open_run, submit_json_op
 from core import checkpoints
 from core.errors import InvalidInput
 from core.tables import ModelPackage, ModelVersion, TrainingRun
