@@ -134,9 +134,7 @@ def test_every_broken_request_is_refused_while_another_tenant_trains(app: Embedd
             accepted[response.json().get("request_id", "")] = case.name
         elif not 400 <= response.status_code < 500:
             problems.append(f"{case.name}: {response.status_code} {response.text[:200]}")
-        elif (
-            len(response.content) > MAX_ERROR_BYTES or corpus.LONG_STRING[:201] in response.text
-        ):
+        elif len(response.content) > MAX_ERROR_BYTES or corpus.LONG_STRING[:201] in response.text:
             problems.append(f"{case.name}: {len(response.content)}-byte error body")
     trainer.join(timeout=600)
     assert not problems, "\n".join(problems)
