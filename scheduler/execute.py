@@ -30,10 +30,10 @@ from scheduler.ops import (
     JSON,
     JSON_ZSTD,
     PROTO,
-    REFUSED,
     OpKind,
     decode_json_payload,
     decode_payload,
+    refusal_of,
 )
 from scheduler.submit import DONE, FAILED
 from scheduler.task import Task
@@ -181,10 +181,9 @@ class Executor:
         return outcomes
 
     def _forward_backward_op(self, task: Task) -> ep.ForwardBackwardOp:
-        if task.payload_codec == JSON_ZSTD:  # refused at submission; it fails in its place
-            raise ep.UserInputError(
-                str(decode_json_payload(task.payload, task.payload_codec)[REFUSED])
-            )
+        refusal = refusal_of(task.payload, task.payload_codec)
+        if refusal is not None:  # refused at submission; it fails in its place
+            raise ep.UserInputError(refusal)
         request = self._forward_backward_request(task)
         return ep.ForwardBackwardOp(
             run_id=task.target_id,
@@ -195,12 +194,7 @@ class Executor:
         )
 
     def _forward_backward_request(self, task: Task) -> ForwardBackwardRequest:
-        """forward_backward payloads are the protobuf body, stored as `proto+<compression>`."""
-        return decode_forward_backward_request(
-            task.payload,
-            content_encoding=task.payload_codec.partition("+")[2],
-            max_body_bytes=self.max_request_bytes,
-        )
+        return _stored_forward_backward(task.payload, task.payload_codec, self.max_request_bytes)
 
     # --- sampling, batched across requests and adapters ---------------------------------
 
@@ -303,13 +297,12 @@ class Executor:
         }
         if task.kind is OpKind.OPTIM_STEP:
             # Before anything else about the step, so that replay reaches the same decision.
-            refusal = self._refuse_failed_gradients(task)
-            if refusal is not None:
-                return refusal
-        if task.payload_codec == JSON_ZSTD:
-            payload = decode_json_payload(task.payload, task.payload_codec)
-            if REFUSED in payload:
-                return Outcome.failed("user", str(payload[REFUSED]))
+            refused_step = self._refuse_failed_gradients(task)
+            if refused_step is not None:
+                return refused_step
+        refusal = refusal_of(task.payload, task.payload_codec)
+        if refusal is not None:
+            return Outcome.failed("user", refusal)
         return _guarded(task, lambda: handlers[task.kind](task))
 
     def _refuse_failed_gradients(self, task: Task) -> Outcome | None:
@@ -635,16 +628,23 @@ def failed_forward_backwards(
     return pending
 
 
+def _stored_forward_backward(
+    payload: bytes, codec: str, max_body_bytes: int
+) -> ForwardBackwardRequest:
+    """A logged forward_backward: the protobuf body as sent, stored as `proto+<compression>`,
+    held to `max_body_bytes` while it is decompressed."""
+    return decode_forward_backward_request(
+        payload, content_encoding=codec.partition("+")[2], max_body_bytes=max_body_bytes
+    )
+
+
 def _forward_only(payload: bytes, codec: str, max_body_bytes: int) -> bool:
     """Whether a stored forward_backward op was a forward pass; a body that cannot be read
     counts as a forward_backward (it failed, and may have been one)."""
     try:
         if codec == JSON_ZSTD:
             return decode_json_payload(payload, codec).get("forward_only") is True
-        request = decode_forward_backward_request(
-            payload, content_encoding=codec.partition("+")[2], max_body_bytes=max_body_bytes
-        )
-        return request.forward_only
+        return _stored_forward_backward(payload, codec, max_body_bytes).forward_only
     except Exception:
         return False
 

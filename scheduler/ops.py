@@ -76,3 +76,11 @@ def refused(message: str) -> dict[str, Any]:
 def decode_json_payload(data: bytes, codec: str) -> dict[str, Any]:
     value: dict[str, Any] = json.loads(decode_payload(data, codec))
     return value
+
+
+def refusal_of(data: bytes, codec: str) -> str | None:
+    """The message of a request refused at submission; None for any other payload."""
+    if codec != JSON_ZSTD:
+        return None
+    message = decode_json_payload(data, codec).get(REFUSED)
+    return None if message is None else str(message)

@@ -30,7 +30,7 @@ from core.clock import FakeClock
 from core.db import Database
 from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from core.tables import Session as SessionRow
-from scheduler.ops import JSON_ZSTD, REFUSED, decode_json_payload
+from scheduler.ops import refusal_of
 from scheduler.submit import UNLOAD_SEQ
 from tests import services
 from tests.conftest import make_settings, tenant_factory
@@ -72,8 +72,7 @@ class Env:
             counts["operations"] = sum(
                 1
                 for op in db.scalars(select(Operation))
-                if op.payload_codec != JSON_ZSTD
-                or REFUSED not in decode_json_payload(op.payload, op.payload_codec)
+                if refusal_of(op.payload, op.payload_codec) is None
             )
             run_rows = db.execute(
                 select(TrainingRun.id, TrainingRun.status, TrainingRun.executed_seq_id)
