@@ -11,6 +11,7 @@ Like the hub's public models, it asks for no key: tokenizers are not secret. It 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,16 @@ def _files(state: State, repo_id: str) -> dict[str, Path]:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    stat = path.stat()
+    return _digest(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _digest(path: str, mtime_ns: int, size: int) -> str:
+    """A file's sha256, computed once per version of the file (keyed by its modification time
+    and size too): every request names every file's digest, so reading them all each time
+    would cost a tokenizer's megabytes per request."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _commit(files: dict[str, Path]) -> str:
