@@ -224,6 +224,15 @@ def poison_requests(run_id: str, seq_ids: Iterator[int]) -> dict[str, ForwardBac
             model_id=run_id, seq_id=next(seq_ids), data=[one], loss_fn=loss_fn
         )
 
+    def floats(values: list[float]) -> TensorData:
+        return TensorData(data=values, dtype="float32")
+
+    ppo_inputs = {
+        "target_tokens": _targets(),
+        "logprobs": floats([-1.0] * n),
+        "advantages": floats([1.0] * n),
+    }
+
     def sparse_weights(cols: int) -> TensorData:
         return TensorData(
             data=[],
@@ -275,6 +284,12 @@ def poison_requests(run_id: str, seq_ids: Iterator[int]) -> dict[str, ForwardBac
         ),
         "unknown loss": request(_datum({"target_tokens": _targets()}), loss_fn="no_such_loss"),
         "ppo without advantages": request(_datum({"target_tokens": _targets()}), loss_fn="ppo"),
+        "ppo clip threshold above 1 for the low side": request(
+            _datum({**ppo_inputs, "clip_low_threshold": floats([2.0] * n)}), loss_fn="ppo"
+        ),
+        "ppo clip threshold one longer than the datum": request(
+            _datum({**ppo_inputs, "clip_high_threshold": floats([1.2] * (n + 1))}), loss_fn="ppo"
+        ),
         "no datums": ForwardBackwardRequest(
             model_id=run_id, seq_id=next(seq_ids), data=[], loss_fn="cross_entropy"
         ),
