@@ -3,9 +3,9 @@
 The scheduler builds these from wire requests and reads results back out of them, so this
 module imports only numpy and the standard library — never torch. It deliberately does not
 know the wire encoding (protobuf, JSON, TensorData): callers decode `loss_fn_inputs` into
-dense numpy arrays first. `csr_to_dense` is here for callers that receive sparse CSR tensors
-(the tinker SDK sends 2-D `target_tokens`/`weights` that way); the engine itself only accepts
-dense arrays.
+dense numpy arrays first (the scheduler does so with `TensorData.to_numpy()`, which also
+decodes the sparse CSR form the tinker SDK sends for 2-D `target_tokens`/`weights`); the engine
+itself only accepts dense arrays.
 
 `UserInputError` marks bad input (the message says what to change); any other exception
 raised by the engine is a server error.
@@ -163,28 +163,3 @@ class ModelInfo:
     architecture: str
     num_parameters: int | None = None
     aliases: tuple[str, ...] = ()
-
-
-def csr_to_dense(
-    values: np.ndarray,
-    crow_indices: np.ndarray,
-    col_indices: np.ndarray,
-    shape: tuple[int, int],
-    dtype: np.dtype | type | None = None,
-) -> np.ndarray:
-    """Decode a CSR tensor (pad value 0) into a dense (rows, cols) array."""
-    rows, cols = int(shape[0]), int(shape[1])
-    crow = np.asarray(crow_indices, dtype=np.int64)
-    col = np.asarray(col_indices, dtype=np.int64)
-    vals = np.asarray(values)
-    if crow.shape != (rows + 1,) or crow[0] != 0 or crow[-1] != len(col) or len(col) != len(vals):
-        raise UserInputError(
-            f"sparse CSR tensor of shape {shape} is inconsistent: crow_indices must have "
-            f"{rows + 1} entries from 0 to len(col_indices); send a dense tensor instead"
-        )
-    if len(col) and (col.min() < 0 or col.max() >= cols):
-        raise UserInputError(f"sparse CSR column index outside [0, {cols}); fix col_indices")
-    out = np.zeros((rows, cols), dtype=dtype or vals.dtype)
-    row_of = np.repeat(np.arange(rows), np.diff(crow))
-    out[row_of, col] = vals
-    return out

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.protocol import Datum, LoraSpec, csr_to_dense
+from gpu_worker.protocol import Datum, LoraSpec
 from tests.gpu_worker.conftest import TINY, VOCAB, adapter_grads, randomize_adapter, rng_tokens
 from tests.gpu_worker.reference import datum_loss, hooked_lora, target_logprobs
+from treadle.types import TensorData
 
 pytestmark = pytest.mark.unit
 
@@ -107,14 +108,24 @@ def test_top_k_cross_entropy_dense_and_csr(engine, sparse):
         data = make_data("cross_entropy", seed=7, k=4)
         sent = data
         if sparse:  # what the tinker SDK sends for 2-D tensors: CSR with pad value 0
+            # decoded as the scheduler decodes every wire tensor, by TensorData.to_numpy()
             sent = []
             for d in data:
                 new = {}
                 for key, dense in d.loss_fn_inputs.items():
                     rows, cols = np.nonzero(dense)
                     counts = np.bincount(rows, minlength=dense.shape[0])
-                    crow = np.concatenate([[0], np.cumsum(counts)])
-                    new[key] = csr_to_dense(dense[rows, cols], crow, cols, dense.shape, dense.dtype)
+                    csr = TensorData(
+                        data=dense[rows, cols].tolist(),
+                        dtype="float32" if dense.dtype.kind == "f" else "int64",
+                        shape=list(dense.shape),
+                        sparse_crow_indices=[0, *np.cumsum(counts).tolist()],
+                        sparse_col_indices=cols.tolist(),
+                    )
+                    decoded = csr.to_numpy()
+                    assert decoded.dtype == dense.dtype
+                    np.testing.assert_array_equal(decoded, dense)
+                    new[key] = decoded
                 sent.append(Datum(d.tokens, new))
         result = engine.forward_backward(run, sent, "cross_entropy")
         ref_data = [Datum(d.tokens, dict(d.loss_fn_inputs)) for d in sent]
