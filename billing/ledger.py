@@ -64,15 +64,6 @@ def record_usage(
     )
 
 
-def totals_by_kind(db: OrmSession, tenant_id: str) -> dict[str, int]:
-    rows = db.execute(
-        select(UsageEvent.kind, func.sum(UsageEvent.quantity))
-        .where(UsageEvent.tenant_id == tenant_id)
-        .group_by(UsageEvent.kind)
-    )
-    return {kind: int(total) for kind, total in rows}
-
-
 def usage_by_model_and_kind(
     db: OrmSession, tenant_id: str, *, since: datetime | None = None, until: datetime | None = None
 ) -> list[tuple[str, str, int]]:

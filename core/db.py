@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import create_engine, event, inspect
+from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -104,9 +104,6 @@ class Database:
             except BaseException:
                 session.rollback()
                 raise
-
-    def has_table(self, name: str) -> bool:
-        return inspect(self.engine).has_table(name)
 
     def dispose(self) -> None:
         self.engine.dispose()

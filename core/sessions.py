@@ -248,17 +248,6 @@ def list_sessions(
     )
 
 
-def count_open(db: OrmSession, tenant_id: str) -> int:
-    return (
-        db.scalar(
-            select(func.count())
-            .select_from(Session)
-            .where(Session.tenant_id == tenant_id, Session.status == ACTIVE)
-        )
-        or 0
-    )
-
-
 def children(db: OrmSession, session_id: str) -> tuple[list[str], list[str]]:
     """Ids of the training runs and sampling sessions created in a session."""
     runs = db.scalars(
