@@ -1,7 +1,7 @@
 """The one mapping from domain errors to HTTP responses.
 
-Bodies are always JSON (`{"detail": message, "category": ...}`): the tinker SDK treats a 400 with
-an empty body as a proxy reset and retries it. Permanent conditions never use 408/409/429/5xx,
+Bodies are always JSON (`{"detail": message, "category": ..., "code": ...}`, the code one of
+`ErrorCode`'s): the tinker SDK treats a 400 with an empty body as a proxy reset and retries it. Permanent conditions never use 408/409/429/5xx,
 which the tinker SDK retries for minutes.
 """
 
@@ -22,6 +22,7 @@ from starlette.routing import BaseRoute, Match, Route
 from api.refusals import ORDERED_ROUTES, keep_place
 from api.validation import describe
 from core import errors
+from core.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,18 @@ def status_for(exc: errors.TreadleError) -> int:
     return 400
 
 
+# The code of an error the framework raises (no route ran, or the body never decoded), by status.
+_FRAMEWORK_CODES = {
+    400: ErrorCode.INVALID_INPUT,
+    404: ErrorCode.UNKNOWN_ENDPOINT,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+    422: ErrorCode.INVALID_INPUT,
+}
+
+
 def error_response(
-    status: int, message: str, category: str = "user", **extra: object
+    status: int, code: ErrorCode, message: str, category: str = "user", **extra: object
 ) -> JSONResponse:
     headers: dict[str, str] = {}
     if status == 401:
@@ -59,7 +70,9 @@ def error_response(
     if status < 500 and status not in (408, 429):
         headers["x-should-retry"] = "false"
     return JSONResponse(
-        {"detail": message, "category": category, **extra}, status_code=status, headers=headers
+        {"detail": message, "category": category, "code": code.value, **extra},
+        status_code=status,
+        headers=headers,
     )
 
 
@@ -67,7 +80,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.TreadleError)
     async def _domain(_: Request, exc: errors.TreadleError) -> JSONResponse:
         status = status_for(exc)
-        response = error_response(status, exc.message, exc.category)
+        response = error_response(status, exc.code, exc.message, exc.category)
         if isinstance(exc, errors.RateLimited):
             response.headers["Retry-After"] = str(max(1, int(exc.retry_after_seconds + 0.999)))
         return response
@@ -86,7 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 exc.body,
                 message,
             )
-        return error_response(422, message, errors=problems)
+        return error_response(422, ErrorCode.INVALID_INPUT, message, errors=problems)
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -104,10 +117,17 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 400 and exc.detail == _UNPARSEABLE_BODY:
             # FastAPI could not even decode a JSON body (not UTF-8): invalid like any bad JSON.
             cause = str(exc.__cause__ or "undecodable")[:120]
-            return error_response(422, f"the body is not UTF-8 JSON ({cause}); send JSON text")
+            return error_response(
+                422,
+                ErrorCode.INVALID_INPUT,
+                f"the body is not UTF-8 JSON ({cause}); send JSON text",
+            )
         else:
             message = str(exc.detail)
-        response = error_response(exc.status_code, message)
+        code = _FRAMEWORK_CODES.get(exc.status_code)
+        if code is None:
+            code = ErrorCode.INTERNAL_ERROR if exc.status_code >= 500 else ErrorCode.INVALID_INPUT
+        response = error_response(exc.status_code, code, message)
         response.headers.update(headers)
         return response
 
@@ -118,6 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if "NUL" in str(exc.orig):
             return error_response(
                 422,
+                ErrorCode.INVALID_INPUT,
                 "a text value holds a NUL character (\\u0000), which cannot be stored; remove it",
             )
         return await _unexpected(request, exc)
@@ -126,7 +147,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return error_response(
-            500, "internal server error; the operator's logs have the details", "server"
+            500,
+            ErrorCode.INTERNAL_ERROR,
+            "internal server error; the operator's logs have the details",
+            "server",
         )
 
 

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import error_response
 from api.validation import clip
+from core.errors import ErrorCode
 
 
 def host_allowed(host: str, patterns: Sequence[str]) -> bool:
@@ -53,6 +54,7 @@ class AllowedHosts:
         shown = clip(host, 100) if host else "(none)"
         response = error_response(
             400,
+            ErrorCode.HOST_NOT_ALLOWED,
             f"this server does not answer for host {shown!r}; address it by one of its "
             f"names: {', '.join(self.patterns)}",
         )

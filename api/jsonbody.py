@@ -21,6 +21,7 @@ import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_response
+from core.errors import ErrorCode
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects accepted in a JSON body."""
@@ -133,7 +134,7 @@ class JsonBodyGuard:
         body = b"".join(chunks)
         problem = body_problem(body, self.max_depth)
         if problem is not None:
-            await error_response(422, problem)(scope, receive, send)
+            await error_response(422, ErrorCode.INVALID_INPUT, problem)(scope, receive, send)
             return
         replayed = False
 

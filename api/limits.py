@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_response
+from core.errors import ErrorCode
 
 
 class BodySizeLimit:
@@ -26,7 +27,9 @@ class BodySizeLimit:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await error_response(413, self._message())(scope, receive, send)
+                await error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, self._message())(
+                    scope, receive, send
+                )
                 return
         seen = 0
         responded = False  # once our 413 is out, the app's own response is dropped
@@ -38,7 +41,9 @@ class BodySizeLimit:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     responded = True
-                    await error_response(413, self._message())(scope, receive, send)
+                    await error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, self._message())(
+                        scope, receive, send
+                    )
                     return {"type": "http.disconnect"}
             return message
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.errors import ErrorCode
+
 _DESCRIPTIONS = {
     401: "The API key is missing, malformed, unknown or revoked.",
     403: "The key may not do this: its tenant is disabled, a limit of the tenant is reached, or "
@@ -50,6 +52,10 @@ class ErrorResponse(BaseModel):
     detail: str = Field(description="What went wrong and what to change.")
     category: Literal["user", "server"] = Field(
         description="`user`: change the request; `server`: the operator's side failed."
+    )
+    code: ErrorCode = Field(
+        description="What kind of error, for programs (the `detail` wording may change); "
+        "docs/protocol.md lists each code and what a client should do."
     )
 
 

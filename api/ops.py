@@ -136,7 +136,7 @@ def submit_json_op(
         except TreadleError as exc:
             if exc.category != "user" or isinstance(exc, SessionExpired):
                 raise
-            content = refused(exc.message)
+            content = refused(exc.message, exc.code)
         data, codec = encode_json_payload(content)
         submitted = submit_training_op(
             db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data, payload_codec=codec

@@ -15,7 +15,7 @@ from typing import Any
 from api.deps import AppState
 from api.ops import submit_json_op
 from core import apikeys
-from core.errors import TreadleError
+from core.errors import ErrorCode, TreadleError
 from scheduler.ops import OpKind, refused
 from treadle.types.bounds import MAX_SEQ_ID
 
@@ -48,7 +48,10 @@ def keep_place(state: AppState, path: str, api_key: str | None, body: Any, messa
         with state.database.reader() as db:
             principal = apikeys.authenticate(db, state.clock, state.server_secret, api_key)
         # A refused forward pass (forward_only) must not fail the run's next optim_step.
-        content = {**refused(message), "forward_only": body.get("forward_only") is True}
+        content = {
+            **refused(message, ErrorCode.INVALID_INPUT),
+            "forward_only": body.get("forward_only") is True,
+        }
         submit_json_op(state, principal, model_id, seq_id, kind, content)
     except TreadleError:
         return

@@ -188,6 +188,7 @@ class Operation(Base):
     result_codec: Mapped[str | None] = mapped_column(String(32))
     error_message: Mapped[str | None] = mapped_column(Text)
     error_category: Mapped[str | None] = mapped_column(String(16))  # user | server
+    error_code: Mapped[str | None] = mapped_column(String(32))  # an ErrorCode; NULL before 0003
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))
     created_at: Mapped[datetime]

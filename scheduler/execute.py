@@ -20,12 +20,13 @@ from billing.ledger import UsageLine
 from core import checkpoints, runs
 from core.clock import Clock
 from core.db import Database
-from core.errors import NotFound
+from core.errors import ErrorCode, NotFound
 from core.ids import sampling_session_id
 from core.objectstore import ArtifactStore
 from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from gpu_worker import protocol as ep
 from scheduler import convert
+from scheduler.failures import OpFailure, Refused
 from scheduler.ops import (
     JSON,
     JSON_ZSTD,
@@ -70,13 +71,13 @@ log = logging.getLogger(__name__)
 class Outcome:
     result: bytes | None = None
     codec: str | None = None
-    error: tuple[str, str] | None = None  # (category, message)
+    error: OpFailure | None = None
     usage: list[UsageLine] = dataclasses.field(default_factory=list)
     apply: Callable[[OrmSession], object] | None = None
 
     @classmethod
-    def failed(cls, category: str, message: str) -> Outcome:
-        return cls(error=(category, message))
+    def failed(cls, failure: OpFailure) -> Outcome:
+        return cls(error=failure)
 
     @classmethod
     def json(
@@ -101,13 +102,15 @@ def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
     try:
         return work()
     except ep.UserInputError as exc:
-        return Outcome.failed("user", str(exc))
+        return Outcome.failed(OpFailure.user(str(exc)))
+    except Refused as exc:
+        return Outcome.failed(exc.failure)
     except ValidationError as exc:
         # A stored request the wire types refuse (queued before their bounds, or written by
         # other means than the API) is the request's fault, said as the API says it.
         err = exc.errors()[0]
         where = ".".join(str(part) for part in err["loc"])
-        return Outcome.failed("user", f"invalid {task.kind} request: {where}: {err['msg']}")
+        return Outcome.failed(OpFailure.user(f"invalid {task.kind} request: {where}: {err['msg']}"))
     except Exception as exc:
         log.exception("operation %s (%s) failed", task.id, task.kind)
         return _server_failure(task, exc)
@@ -115,9 +118,10 @@ def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
 
 def _server_failure(task: Task, exc: Exception) -> Outcome:
     return Outcome.failed(
-        "server",
-        f"{task.kind} failed on the server ({type(exc).__name__}); retry, "
-        "and report it to the operator if it persists",
+        OpFailure.server(
+            f"{task.kind} failed on the server ({type(exc).__name__}); retry, "
+            "and report it to the operator if it persists"
+        )
     )
 
 
@@ -150,7 +154,10 @@ class Executor:
             try:
                 op = self._forward_backward_op(task)
             except (WireFormatError, ep.UserInputError) as exc:
-                outcomes[task.id] = Outcome.failed("user", str(exc))
+                outcomes[task.id] = Outcome.failed(OpFailure.user(str(exc)))
+                continue
+            except Refused as exc:
+                outcomes[task.id] = Outcome.failed(exc.failure)
                 continue
             except Exception as exc:
                 log.exception("preparing forward_backward %s failed", task.id)
@@ -168,7 +175,7 @@ class Executor:
                 ]
             for (task, _), result in zip(ops, results, strict=True):
                 if isinstance(result, ep.OpError):
-                    outcomes[task.id] = Outcome.failed(result.category, result.message)
+                    outcomes[task.id] = Outcome.failed(OpFailure.of_engine(result))
                 else:
                     outcomes[task.id] = _guarded(
                         task,
@@ -183,7 +190,7 @@ class Executor:
     def _forward_backward_op(self, task: Task) -> ep.ForwardBackwardOp:
         refusal = refusal_of(task.payload, task.payload_codec)
         if refusal is not None:  # refused at submission; it fails in its place
-            raise ep.UserInputError(refusal)
+            raise Refused(refusal)
         request = self._forward_backward_request(task)
         return ep.ForwardBackwardOp(
             run_id=task.target_id,
@@ -205,7 +212,7 @@ class Executor:
         for task in tasks:
             try:
                 if task.id in revoked:
-                    raise ep.UserInputError(revoked[task.id])
+                    raise Refused(revoked[task.id])
                 wire = SampleRequest.model_validate_json(
                     decode_payload(task.payload, task.payload_codec)
                 )
@@ -218,17 +225,19 @@ class Executor:
                     )
                 )
             except ep.UserInputError as exc:
-                outcomes[task.id] = Outcome.failed("user", str(exc))
+                outcomes[task.id] = Outcome.failed(OpFailure.user(str(exc)))
+            except Refused as exc:
+                outcomes[task.id] = Outcome.failed(exc.failure)
             except Exception as exc:
                 log.exception("preparing sample %s failed", task.id)
                 outcomes[task.id] = Outcome.failed(
-                    "server", f"sampling failed on the server ({type(exc).__name__}); retry"
+                    OpFailure.server(f"sampling failed on the server ({type(exc).__name__}); retry")
                 )
         if prepared:
             results = self.engine.sample_batch([req for _, _, req in prepared])
             for (task, wire, _), result in zip(prepared, results, strict=True):
                 if isinstance(result, ep.OpError):
-                    outcomes[task.id] = Outcome.failed(result.category, result.message)
+                    outcomes[task.id] = Outcome.failed(OpFailure.of_engine(result))
                 else:
                     outcomes[task.id] = _guarded(
                         task,
@@ -240,7 +249,7 @@ class Executor:
                     )
         return outcomes
 
-    def _revoked(self, tasks: list[Task]) -> dict[str, str]:
+    def _revoked(self, tasks: list[Task]) -> dict[str, OpFailure]:
         """Why each sample on saved weights may no longer run, by task id (one read per batch).
 
         The API checked access when it accepted the request, but the checkpoint may have been
@@ -249,7 +258,7 @@ class Executor:
         on_weights = {t.target_id for t in tasks if t.sampler_version_id is not None}
         if not on_weights:
             return {}
-        revoked: dict[str, str] = {}
+        revoked: dict[str, OpFailure] = {}
         with self.database.reader() as db:
             rows = db.execute(
                 select(SamplingSession.id, SamplingSession.model_path, ModelVersion)
@@ -264,7 +273,7 @@ class Executor:
                 try:
                     checkpoints.require_sampleable(version, task.tenant_id, self.clock, path)
                 except NotFound as exc:
-                    revoked[task.id] = exc.message
+                    revoked[task.id] = OpFailure.of(exc)
         return revoked
 
     def _sampler_run(self, task: Task) -> str | None:
@@ -277,8 +286,12 @@ class Executor:
                 version = db.get(ModelVersion, task.sampler_version_id)
                 uri = version.artifact_uri if version is not None else None
             if uri is None:
-                raise ep.UserInputError(
-                    "the weights of this sampling session were deleted; create a new sampling client"
+                raise Refused(
+                    OpFailure.user(
+                        "the weights of this sampling session were deleted; create a new "
+                        "sampling client",
+                        ErrorCode.NOT_FOUND,
+                    )
                 )
             self.engine.load_state(run_id, self.store.open_dir(uri), include_optimizer=False)
         return run_id
@@ -302,7 +315,7 @@ class Executor:
                 return refused_step
         refusal = refusal_of(task.payload, task.payload_codec)
         if refusal is not None:
-            return Outcome.failed("user", refusal)
+            return Outcome.failed(refusal)
         return _guarded(task, lambda: handlers[task.kind](task))
 
     def _refuse_failed_gradients(self, task: Task) -> Outcome | None:
@@ -329,12 +342,14 @@ class Executor:
         )
         reason = first.reason if len(first.reason) <= 500 else first.reason[:500] + "…"
         return Outcome.failed(
-            "user",
-            f"optim_step refused: forward_backward request {first.request_id} (seq_id "
-            f"{first.seq_id}) failed{others}, so the gradients accumulated since the last step "
-            f"are not the whole batch; it failed with: {reason}. The run's weights and "
-            "optimizer state are unchanged and the accumulated gradients were discarded: fix "
-            "that request, send the batch's forward_backward requests again, then optim_step",
+            OpFailure.user(
+                f"optim_step refused: forward_backward request {first.request_id} (seq_id "
+                f"{first.seq_id}) failed{others}, so the gradients accumulated since the last step "
+                f"are not the whole batch; it failed with: {reason}. The run's weights and "
+                "optimizer state are unchanged and the accumulated gradients were discarded: fix "
+                "that request, send the batch's forward_backward requests again, then "
+                "optim_step"
+            )
         )
 
     def replay(self, task: Task) -> None:
@@ -356,7 +371,7 @@ class Executor:
             outcome = self.run(task)
             if outcome.error is not None:
                 raise RuntimeError(
-                    f"replaying {task.kind} seq {task.seq_id} failed: {outcome.error[1]}"
+                    f"replaying {task.kind} seq {task.seq_id} failed: {outcome.error.message}"
                 )
         # Saves changed nothing on the engine: their artifacts are already stored.
 
@@ -529,8 +544,11 @@ class Executor:
             decode_payload(task.payload, task.payload_codec)
         )
         if request.age_encryption_recipients:
-            raise ep.UserInputError(
-                "age encryption of exports is not supported; omit age_encryption_recipients"
+            raise Refused(
+                OpFailure.user(
+                    "age encryption of exports is not supported; omit age_encryption_recipients",
+                    ErrorCode.UNSUPPORTED,
+                )
             )
         size, register = self._save(
             task,

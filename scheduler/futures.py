@@ -1,4 +1,5 @@
-"""Reading an operation's future: pending (with its queue state), done, or failed."""
+"""Reading an operation's future: pending (with its queue state), done, or failed (with the
+`OpFailure` its row records)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from sqlalchemy.orm import Session as OrmSession
 from billing.tables import UsageEvent
 from core.errors import NotFound
 from core.tables import Operation, SamplingSession, TrainingRun
+from scheduler.failures import OpFailure
 from scheduler.submit import DONE, FAILED, QUEUED
 from treadle.types import QueueState
 
@@ -19,8 +21,7 @@ class FutureState:
     done: bool
     result: bytes | None = None
     result_codec: str | None = None
-    error_message: str | None = None
-    error_category: str | None = None
+    failure: OpFailure | None = None
     queue_state: QueueState = "active"
     usage: dict[str, int] | None = None
     """Of a successful result: the op's ledger quantities by kind (`{}` when it bills nothing)."""
@@ -36,8 +37,9 @@ def read_future(
             Operation.status,
             Operation.result,
             Operation.result_codec,
-            Operation.error_message,
+            Operation.error_code,
             Operation.error_category,
+            Operation.error_message,
             Operation.target_id,
         ).where(Operation.id == request_id, Operation.tenant_id == tenant_id)
     ).one_or_none()
@@ -45,7 +47,7 @@ def read_future(
         raise NotFound(
             f"request {request_id!r} not found; it was never submitted with this key's account"
         )
-    status, result, codec, message, category, target_id = row
+    status, result, codec, code, category, message, target_id = row
     if status == DONE:
         # Read with the state, in the caller's transaction: the ledger rows are written in the
         # transaction that stores the result, so a done op's usage is complete here.
@@ -61,7 +63,7 @@ def read_future(
             usage={kind: int(quantity) for kind, quantity in usage},
         )
     if status == FAILED:
-        return FutureState(done=True, error_message=message, error_category=category)
+        return FutureState(done=True, failure=OpFailure.stored(code, category, message))
     if placed and status == QUEUED:
         holder = db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == target_id))
         if holder is None:

@@ -14,6 +14,9 @@ from typing import Any
 
 import zstandard
 
+from core.errors import ErrorCode
+from scheduler.failures import OpFailure
+
 
 class _Codecs(threading.local):
     """A zstd compressor and decompressor per thread: their objects must never be shared
@@ -65,12 +68,13 @@ def decode_payload(data: bytes, codec: str) -> bytes:
     return _codecs.decompressor.decompress(data)
 
 
-REFUSED = "refused"
+REFUSED, REFUSED_CODE = "refused", "refused_code"
 
 
-def refused(message: str) -> dict[str, Any]:
-    """The payload of a request refused at submission: it fails, in order, with `message`."""
-    return {REFUSED: message}
+def refused(message: str, code: ErrorCode = ErrorCode.INVALID_INPUT) -> dict[str, Any]:
+    """The payload of a request refused at submission: it fails, in order, with `message` and
+    `code` (the code of the same refusal answered at once)."""
+    return {REFUSED: message, REFUSED_CODE: code.value}
 
 
 def decode_json_payload(data: bytes, codec: str) -> dict[str, Any]:
@@ -78,9 +82,14 @@ def decode_json_payload(data: bytes, codec: str) -> dict[str, Any]:
     return value
 
 
-def refusal_of(data: bytes, codec: str) -> str | None:
-    """The message of a request refused at submission; None for any other payload."""
+def refusal_of(data: bytes, codec: str) -> OpFailure | None:
+    """How a request refused at submission fails; None for any other payload. Refusals stored
+    without a code (before codes were stored) were invalid input."""
     if codec != JSON_ZSTD:
         return None
-    message = decode_json_payload(data, codec).get(REFUSED)
-    return None if message is None else str(message)
+    payload = decode_json_payload(data, codec)
+    message = payload.get(REFUSED)
+    if message is None:
+        return None
+    code = payload.get(REFUSED_CODE)
+    return OpFailure.stored(None if code is None else str(code), "user", str(message))

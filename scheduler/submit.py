@@ -18,6 +18,8 @@ from core.errors import InvalidInput, NotFound, RateLimited
 from core.ids import new_request_id
 from core.tables import Operation, TrainingRun
 from core.tenants import lock_tenant, resource_limits
+from scheduler import failures
+from scheduler.failures import OpFailure
 from scheduler.ops import OpKind
 
 log = logging.getLogger(__name__)
@@ -172,10 +174,13 @@ def submit_training_op(
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)
         assert op is not None
-        op.status, op.finished_at, op.error_category = FAILED, clock.now(), "user"
-        op.error_message = (
-            f"seq_id {seq_id} reached the server after later requests of {run.id} had run (it was "
-            "given up on as lost); submit the work again with a new request"
+        op.status, op.finished_at = FAILED, clock.now()
+        failures.record(
+            op,
+            OpFailure.user(
+                f"seq_id {seq_id} reached the server after later requests of {run.id} had run (it "
+                "was given up on as lost); submit the work again with a new request"
+            ),
         )
         log.warning("late arrival of seq %s on %s after its gap was released", seq_id, run.id)
     run.last_request_at = clock.now()

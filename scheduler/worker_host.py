@@ -37,7 +37,9 @@ from core.tables import (
 )
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
+from scheduler import failures
 from scheduler.execute import Executor, Outcome
+from scheduler.failures import OpFailure
 from scheduler.models import tokenizer_key
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
@@ -308,11 +310,14 @@ class WorkerHost:
             op.target_id,
             op.attempts,
         )
-        op.status, op.finished_at, op.error_category = FAILED, self.clock.now(), "server"
-        op.error_message = (
-            f"{op.kind} was interrupted {op.attempts} times while the server executed it, so it "
-            "was given up rather than tried again; check this request's inputs, send the work "
-            "again as a new request, and report it to the operator if it recurs"
+        op.status, op.finished_at = FAILED, self.clock.now()
+        failures.record(
+            op,
+            OpFailure.server(
+                f"{op.kind} was interrupted {op.attempts} times while the server executed it, so "
+                "it was given up rather than tried again; check this request's inputs, send the "
+                "work again as a new request, and report it to the operator if it recurs"
+            ),
         )
         self._advance(db, OpKind(op.kind), op.target_id, op.seq_id)
 
@@ -332,13 +337,14 @@ class WorkerHost:
         try:
             restore_run(self.engine, self.store, self.database, self.executor, task.target_id)
         except RestoreImpossible as exc:
-            return Outcome.failed("server", str(exc))
+            return Outcome.failed(OpFailure.server(str(exc)))
         except Exception as exc:
             log.exception("restoring %s failed", task.target_id)
             return Outcome.failed(
-                "server",
-                f"restoring training run {task.target_id} failed ({exc}); "
-                "create a new training client from your last checkpoint",
+                OpFailure.server(
+                    f"restoring training run {task.target_id} failed ({exc}); "
+                    "create a new training client from your last checkpoint"
+                )
             )
         return None
 
@@ -467,7 +473,7 @@ class WorkerHost:
         except TreadleError as exc:
             # The engine work succeeded but its bookkeeping was refused (e.g. a checkpoint name
             # taken meanwhile): report it as the op's error, leaving the rest unchanged.
-            self._store(task, Outcome.failed(exc.category, exc.message))
+            self._store(task, Outcome.failed(OpFailure.of(exc)))
         self._unrecorded.pop(task.id, None)
         self.notifier.publish(task.id)
 
@@ -478,7 +484,8 @@ class WorkerHost:
                 return  # already recorded (a redelivery); never record twice
             op.finished_at = self.clock.now()
             if outcome.error is not None:
-                op.status, (op.error_category, op.error_message) = FAILED, outcome.error
+                op.status = FAILED
+                failures.record(op, outcome.error)
             else:
                 op.status, op.result, op.result_codec = DONE, outcome.result, outcome.codec
                 if outcome.apply is not None:

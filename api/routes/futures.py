@@ -16,7 +16,12 @@ from api.openapi import error_responses
 from core.settings import Mode
 from scheduler.futures import FutureState, read_future
 from scheduler.ops import PROTO
-from treadle.types import CancelFutureRequest, RetrieveFutureRequest, TryAgainResponse
+from treadle.types import (
+    CancelFutureRequest,
+    FutureError,
+    RetrieveFutureRequest,
+    TryAgainResponse,
+)
 from treadle.wire import (
     PROTOBUF_CONTENT_TYPE,
     decode_forward_backward_output,
@@ -44,9 +49,13 @@ def _proto_as_json(result: bytes, request_type: str | None) -> bytes:
 
 
 def _respond(state: FutureState, request: Request) -> Response:
-    if state.error_message is not None:
+    if state.failure is not None:
+        # `error` and `category` are what the tinker SDK reads; `code` is for programs.
+        failure = state.failure
         return JSONResponse(
-            {"error": state.error_message, "category": state.error_category or "server"}
+            FutureError(
+                error=failure.message, category=failure.category, code=failure.code.value
+            ).model_dump(mode="json")
         )
     response = _result(state, request)
     if state.usage is not None:
@@ -74,7 +83,7 @@ def _result(state: FutureState, request: Request) -> Response:
     responses={
         200: {
             "description": "The result (JSON, or protobuf when accepted), `try_again`, or the "
-            "operation's error `{error, category}`.",
+            "operation's error `{error, category, code}`.",
             "content": {
                 "application/json": {"schema": {}},
                 PROTOBUF_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}},

@@ -21,6 +21,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from api.deps import State
 from api.openapi import error_responses
+from core.errors import ErrorCode
 from scheduler.models import tokenizer_key
 
 router = APIRouter(prefix="/hf", tags=["hub"])
@@ -64,7 +65,12 @@ class _HubError(Exception):
         if self.commit is not None:
             headers["X-Repo-Commit"] = self.commit
         return JSONResponse(
-            {"detail": self.message, "category": "user", "error": self.message},
+            {
+                "detail": self.message,
+                "category": "user",
+                "code": ErrorCode.NOT_FOUND.value,
+                "error": self.message,
+            },
             status_code=404,
             headers=headers,
         )

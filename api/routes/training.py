@@ -12,7 +12,7 @@ from api.openapi import OP_ERRORS, error_responses, raw_request_body
 from api.ops import active_run, check_base_model, open_run, submit_json_op
 from api.validation import clip, describe
 from core import runs
-from core.errors import InvalidInput, PayloadTooLarge
+from core.errors import ErrorCode, InvalidInput, PayloadTooLarge
 from core.tables import TrainingRun
 from scheduler.convert import check_request_shapes
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload, refused
@@ -49,7 +49,10 @@ def create_model(
 ) -> UntypedAPIFuture:
     check_base_model(state, body.base_model)
     if body.optimizer_config.type != "adamw":
-        raise InvalidInput(f"optimizer {body.optimizer_config.type!r} is not supported; use adamw")
+        raise InvalidInput(
+            f"optimizer {body.optimizer_config.type!r} is not supported; use adamw",
+            code=ErrorCode.UNSUPPORTED,
+        )
     lora = body.lora_config.model_dump() if body.lora_config else {"rank": 32}
     with state.database.transaction() as db:
         run, submitted = open_run(
@@ -159,7 +162,7 @@ def _submit_forward_backward(
         # place in the run's order and fails there, like any request refused on its content.
         # forward_only is kept so that a refused forward pass never fails an optim_step.
         payload, codec = encode_json_payload(
-            {**refused(exc.message), "forward_only": decoded.forward_only}
+            {**refused(exc.message, exc.code), "forward_only": decoded.forward_only}
         )
     with state.database.transaction() as db:
         run = active_run(db, state, principal, decoded.model_id)

@@ -11,7 +11,7 @@ from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS
 from api.ops import check_base_model, open_run, submit_json_op
 from core import checkpoints
-from core.errors import InvalidInput
+from core.errors import ErrorCode, InvalidInput
 from core.tables import ModelPackage, ModelVersion, TrainingRun
 from scheduler.ops import OpKind
 from treadle.types import (
@@ -94,7 +94,10 @@ def save_weights_for_sampler(
                 "a sampling session on the current weights"
             )
         if body.kind != "snapshot":
-            raise InvalidInput(f"sampler kind {body.kind!r} is not supported; use 'snapshot'")
+            raise InvalidInput(
+                f"sampler kind {body.kind!r} is not supported; use 'snapshot'",
+                code=ErrorCode.UNSUPPORTED,
+            )
         return check_name_and_ttl(db, run)
 
     return submit_json_op(
@@ -122,7 +125,8 @@ def save_weights_external(
     def payload(db: OrmSession, run: TrainingRun) -> dict[str, object]:
         if body.age_encryption_recipients:
             raise InvalidInput(
-                "age encryption of exports is not supported; omit age_encryption_recipients"
+                "age encryption of exports is not supported; omit age_encryption_recipients",
+                code=ErrorCode.UNSUPPORTED,
             )
         return check_name_and_ttl(db, run)
 

@@ -146,11 +146,13 @@ def test_routing_answers_share_the_error_body(client_and_key: tuple[TestClient, 
     assert missing.json() == {
         "detail": "no endpoint at /api/v1/no_such_endpoint; /openapi.json lists the endpoints",
         "category": "user",
+        "code": "unknown_endpoint",
     }
     # Two routes share the path; the answer names the methods of both.
     wrong = client.put("/api/v1/training_runs/r/checkpoints/weights/a/publish", headers=headers)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "DELETE, POST"
     assert wrong.json()["detail"].endswith("; use DELETE or POST")
+    assert wrong.json()["code"] == "method_not_allowed"
     garbled = client.post(
         "/api/v1/create_session",
         content=b'{"tags": ["\xff"]}',

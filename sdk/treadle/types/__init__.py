@@ -38,6 +38,7 @@ from treadle.types.datum import (
     ProvenanceSpan,
     SampledProvenanceSpan,
 )
+from treadle.types.error_code import ErrorCode
 from treadle.types.futures import (
     CancelFutureRequest,
     CompleteMetadataResponse,
@@ -222,6 +223,7 @@ __all__ = [
     "DmelChunk",
     "EncodedTextChunk",
     "ErrorCategory",
+    "ErrorCode",
     "ExternalWeightsUrlsResponse",
     "FailedSessionStatusQuery",
     "FinishReason",

@@ -6,7 +6,7 @@ Every op answers its submission with an `UntypedAPIFuture` at once. The client t
 * the result itself (JSON, or protobuf for forward_backward and sample results),
 * `TryAgainResponse` (still pending; `queue_state` says why),
 * `CompleteMetadataResponse` (result ready; only its size, when the client allowed that),
-* `FutureError` (the op failed; `category` says whose fault).
+* `FutureError` (the op failed; `category` says whose fault, `code` what kind of failure).
 
 A result must therefore never contain the keys `error`, `type: "try_again"` or
 `status: "complete_metadata"`.
@@ -54,6 +54,9 @@ class FutureError(WireResponse):
 
     error: str
     category: ErrorCategory = "unknown"
+    code: str | None = None
+    """One of `ErrorCode`'s values; absent from older servers, and a newer server may send a
+    value this client does not know (kept as text, not refused)."""
 
 
 class CancelFutureRequest(WireRequest):
