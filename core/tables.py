@@ -256,10 +256,7 @@ class Worker(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     hostname: Mapped[str] = mapped_column(String(200))
     device: Mapped[str] = mapped_column(String(32))
-    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     models: Mapped[list[dict[str, Any]]] = mapped_column(default=list)
-    capacity_runs: Mapped[int] = mapped_column(Integer)
-    capacity_tokens: Mapped[int] = mapped_column(BigInteger)
     status: Mapped[str] = mapped_column(String(16))  # live | draining | dead
     # What the engine holds, reported with each lease renewal.
     held_runs: Mapped[int] = mapped_column(Integer, default=0)

@@ -152,7 +152,6 @@ class WorkerHost:
                 }
                 for name, info in zip(models, infos, strict=True)
             ]
-            worker.capacity_runs, worker.capacity_tokens = 10_000, 1 << 30
             worker.status, worker.lease_expires_at = "live", now + self.lease
             db.merge(worker)
             # Whatever this worker was running when it last stopped never finished: run it again.
