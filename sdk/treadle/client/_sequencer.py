@@ -30,10 +30,6 @@ class Sequencer:
             self._next += count
             return first
 
-    @property
-    def next_seq_id(self) -> int:
-        return self._next
-
     @contextlib.asynccontextmanager
     async def turn(self, first: int, count: int = 1) -> AsyncIterator[None]:
         """Wait until ids before `first` are sent; on exit pass the turn on to `first + count`.

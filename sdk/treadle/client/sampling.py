@@ -62,7 +62,6 @@ class SamplingClient(ResolvedClient):
         self.sampling_session_id = sampling_session_id
         self.base_model = base_model
         self.model_path = model_path
-        self._clone_id = clone_id
         self._max_concurrent = max_concurrent_requests
         self._seq_lock = threading.Lock()
         self._next_seq = clone_id * _CLONE_STRIDE
