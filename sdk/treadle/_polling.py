@@ -3,7 +3,7 @@
 A submission answers `{"request_id": ...}` at once; the result is then fetched by polling,
 which the server holds open for about 25 s per call. The server answers one of: the result
 (protobuf for forward_backward and sample results, JSON otherwise), `try_again` (still
-queued or running), or `{"error", "category"}` (the operation failed).
+queued or running), or `{"error", "category", "code"}` (the operation failed).
 
 A successful result carries the operation's billed quantities in the `X-Treadle-Usage`
 header; `retrieve` adds them to the `UsageTally` of the SDK call it runs under (see `tallied`),
@@ -184,8 +184,12 @@ async def retrieve(
         body = response.json()
         if isinstance(body, dict):
             if "error" in body:
+                code = body.get("code")
                 raise error_from_failed_request(
-                    str(body["error"]), str(body.get("category") or "unknown"), request_id
+                    str(body["error"]),
+                    str(body.get("category") or "unknown"),
+                    request_id,
+                    code if isinstance(code, str) else None,
                 )
             if body.get("type") == "try_again":
                 state = body.get("queue_state", "active")

@@ -1,15 +1,17 @@
 """Exceptions raised by the treadle client.
 
 Each class says what happened; the message is the server's own (`detail` of its JSON error
-body), which says what to change. The hierarchy:
+body), which says what to change. The class is chosen by the error's `code` (one of
+`treadle.types.ErrorCode`, exposed as `.code`), never by the message's wording; an answer
+without a code (an older server, a proxy) is classed by its HTTP status alone. The hierarchy:
 
 * `TreadleError` - everything this package raises on purpose.
   * `APIConnectionError` (`APITimeoutError`) - the server could not be reached or did not
     answer in time, after the retries for transient failures ran out.
   * `APIStatusError` - the server answered with an HTTP error. Subclasses by meaning:
     `BadRequestError` (400/422), `AuthenticationError` (401), `PermissionDeniedError` (403),
-    `QuotaExceededError` (403 session limit, 402 spend cap), `NotFoundError` (404),
-    `SessionExpiredError` (410, or 404 on an ended session), `PayloadTooLargeError` (413),
+    `QuotaExceededError` (403 with code `quota_exceeded`, or 402), `NotFoundError` (404),
+    `SessionExpiredError` (410, code `session_ended`), `PayloadTooLargeError` (413),
     `RateLimitError` (429), `InternalServerError` (5xx).
   * `RequestFailedError` - an accepted operation failed; `category` is `user` (change the
     input), `server` (the operator's side) or `unknown`.
@@ -22,8 +24,9 @@ body), which says what to change. The hierarchy:
 
 An operation refused while it ran with category `user` raises `RequestRejectedError` (both a
 `RequestFailedError` and a `BadRequestError`), or `RequestNotFoundError` (both a
-`RequestFailedError` and a `NotFoundError`) when what it names does not exist: the same
-mistake raises the same class whether the server refused it at submission or while running.
+`RequestFailedError` and a `NotFoundError`) when what it names does not exist (code
+`not_found`): the same mistake raises the same class whether the server refused it at
+submission or while running.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+
+from treadle.types.error_code import ErrorCode
 
 
 class TreadleError(Exception):
@@ -52,6 +57,8 @@ class APIStatusError(TreadleError):
         status_code: the HTTP status.
         message: the server's explanation (its `detail`), or the raw body.
         category: the server's error category (`user` or `server`) when it sent one.
+        code: the server's error code (an `ErrorCode` when this client knows it), or None
+            when the answer carried none (an older server, a proxy).
         body: the decoded JSON body, or None when it was not JSON.
     """
 
@@ -61,6 +68,7 @@ class APIStatusError(TreadleError):
         *,
         status_code: int,
         category: str | None = None,
+        code: str | None = None,
         body: Any = None,
         request_id: str | None = None,
     ) -> None:
@@ -68,6 +76,7 @@ class APIStatusError(TreadleError):
         self.message = message
         self.status_code = status_code
         self.category = category
+        self.code = code
         self.body = body
         self.request_id = request_id
 
@@ -118,13 +127,23 @@ class RequestFailedError(TreadleError):
         message: the server's explanation.
         category: `user` (the input cannot work; change it), `server` (the operator's side) or
             `unknown`. The training run stays usable either way.
+        code: the server's error code (an `ErrorCode` when this client knows it), or None when
+            the server sent none.
         request_id: the failed request.
     """
 
-    def __init__(self, message: str, *, category: str = "unknown", request_id: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        category: str = "unknown",
+        code: str | None = None,
+        request_id: str = "",
+    ) -> None:
         super().__init__(f"{message} [category={category}]")
         self.message = message
         self.category = category
+        self.code = code
         self.request_id = request_id
 
 
@@ -135,10 +154,18 @@ class _RequestRefusal(RequestFailedError):
     status_code: int
     body: Any
 
-    def __init__(self, message: str, *, category: str = "user", request_id: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        category: str = "user",
+        code: str | None = None,
+        request_id: str = "",
+    ) -> None:
         Exception.__init__(self, f"{message} [category={category}]")
         self.message = message
         self.category = category
+        self.code = code
         self.request_id = request_id
         self.status_code = self.status
         self.body = None
@@ -154,8 +181,8 @@ class RequestRejectedError(_RequestRefusal, BadRequestError):  # type: ignore[mi
 
 
 class RequestNotFoundError(_RequestRefusal, NotFoundError):  # type: ignore[misc]
-    """An accepted operation failed because what it names does not exist (e.g. `load_state`
-    of an unknown checkpoint).
+    """An accepted operation failed because what it names does not exist (code `not_found`,
+    e.g. `load_state` of an unknown checkpoint).
 
     Both a `RequestFailedError` and a `NotFoundError`, like the refusal of the same path by
     `create_training_client_from_state`. `status_code` is 404.
@@ -164,13 +191,21 @@ class RequestNotFoundError(_RequestRefusal, NotFoundError):  # type: ignore[misc
     status = 404
 
 
-def error_from_failed_request(message: str, category: str, request_id: str) -> RequestFailedError:
-    """The exception for an operation the server accepted and then failed."""
+def error_from_failed_request(
+    message: str, category: str, request_id: str, code: str | None = None
+) -> RequestFailedError:
+    """The exception for an operation the server accepted and then failed.
+
+    `category` says whose side must act (only `user` failures are refusals of the request);
+    `code` says what kind of refusal: `not_found` raises `RequestNotFoundError`, any other (or
+    none, from an older server) `RequestRejectedError`.
+    """
+    known = _known_code(code)
+    kept = known if known is not None else code
     if category != "user":
-        return RequestFailedError(message, category=category, request_id=request_id)
-    if " not found" in message.lower():
-        return RequestNotFoundError(message, category=category, request_id=request_id)
-    return RequestRejectedError(message, category=category, request_id=request_id)
+        return RequestFailedError(message, category=category, code=kept, request_id=request_id)
+    cls = RequestNotFoundError if known is ErrorCode.NOT_FOUND else RequestRejectedError
+    return cls(message, category=category, code=kept, request_id=request_id)
 
 
 class FutureExpiredError(TreadleError):
@@ -197,7 +232,37 @@ class MissingDependencyError(TreadleError, ImportError):
     """An optional extra is not installed; the message names the `pip install` to run."""
 
 
-_SESSION_ENDED_HINTS = ("has finished", "expired after missing heartbeats", "start a new session")
+# The class of each code. Every `ErrorCode` is here (a test holds it to the enum).
+CLASS_BY_CODE: dict[ErrorCode, type[APIStatusError]] = {
+    ErrorCode.INVALID_INPUT: BadRequestError,
+    ErrorCode.UNSUPPORTED: BadRequestError,
+    ErrorCode.HOST_NOT_ALLOWED: BadRequestError,
+    ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.UNKNOWN_ENDPOINT: NotFoundError,
+    ErrorCode.METHOD_NOT_ALLOWED: APIStatusError,
+    ErrorCode.UNAUTHENTICATED: AuthenticationError,
+    ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
+    ErrorCode.QUOTA_EXCEEDED: QuotaExceededError,
+    ErrorCode.SESSION_ENDED: SessionExpiredError,
+    ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLargeError,
+    ErrorCode.RATE_LIMITED: RateLimitError,
+    ErrorCode.DATABASE_NOT_MIGRATED: InternalServerError,
+    ErrorCode.CONFIGURATION_ERROR: InternalServerError,
+    ErrorCode.INTERNAL_ERROR: InternalServerError,
+}
+
+# The class of an answer without a known code, by HTTP status (5xx: InternalServerError).
+_CLASS_BY_STATUS: dict[int, type[APIStatusError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    402: QuotaExceededError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    410: SessionExpiredError,
+    413: PayloadTooLargeError,
+    422: BadRequestError,
+    429: RateLimitError,
+}
 
 
 def error_from_response(response: httpx.Response) -> APIStatusError:
@@ -206,6 +271,7 @@ def error_from_response(response: httpx.Response) -> APIStatusError:
     body: Any = None
     message = response.text.strip() or response.reason_phrase or f"HTTP {status}"
     category: str | None = None
+    code: str | None = None
     try:
         body = response.json()
     except ValueError:
@@ -218,32 +284,30 @@ def error_from_response(response: httpx.Response) -> APIStatusError:
             message = str(detail)
         raw_category = body.get("category")
         category = raw_category if isinstance(raw_category, str) else None
-    cls = _class_for(status, message)
-    return cls(message, status_code=status, category=category, body=body)
+        raw_code = body.get("code")
+        code = raw_code if isinstance(raw_code, str) else None
+    known = _known_code(code)
+    cls = CLASS_BY_CODE[known] if known is not None else _class_for_status(status)
+    return cls(
+        message,
+        status_code=status,
+        category=category,
+        code=known if known is not None else code,
+        body=body,
+    )
 
 
-def _class_for(status: int, message: str) -> type[APIStatusError]:
-    lowered = message.lower()
-    if status in (400, 422):
-        return BadRequestError
-    if status == 401:
-        return AuthenticationError
-    if status == 402:
-        return QuotaExceededError
-    if status == 403:
-        if "limit" in lowered or "quota" in lowered or "spend cap" in lowered:
-            return QuotaExceededError
-        return PermissionDeniedError
-    if status == 404:
-        if "session" in lowered and any(hint in lowered for hint in _SESSION_ENDED_HINTS):
-            return SessionExpiredError
-        return NotFoundError
-    if status == 410:
-        return SessionExpiredError
-    if status == 413:
-        return PayloadTooLargeError
-    if status == 429:
-        return RateLimitError
+def _known_code(code: str | None) -> ErrorCode | None:
+    """`code` as an `ErrorCode`; None when absent or unknown to this client (a newer server)."""
+    if code is None:
+        return None
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return None
+
+
+def _class_for_status(status: int) -> type[APIStatusError]:
     if status >= 500:
         return InternalServerError
-    return APIStatusError
+    return _CLASS_BY_STATUS.get(status, APIStatusError)

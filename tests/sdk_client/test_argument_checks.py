@@ -159,37 +159,41 @@ def test_a_closed_client_raises_client_closed_error(server: FakeServer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("message", "category", "expected", "also"),
+    ("message", "category", "code", "expected", "also"),
     [
         (
             "checkpoint tinker://r/weights/x not found; list yours",
             "user",
+            "not_found",
             treadle.RequestNotFoundError,
             treadle.NotFoundError,
         ),
         (
             "datum 0 lacks weights; add them",
             "user",
+            "invalid_input",
             treadle.RequestRejectedError,
             treadle.BadRequestError,
         ),
         (
             "the worker ran out of memory",
             "server",
+            "internal_error",
             treadle.RequestFailedError,
             treadle.TreadleError,
         ),
     ],
 )
 def test_failed_operations_share_the_class_of_the_same_refusal_at_submission(
-    message: str, category: str, expected: type, also: type
+    message: str, category: str, code: str, expected: type, also: type
 ) -> None:
     from treadle.errors import error_from_failed_request
 
-    error = error_from_failed_request(message, category, "req-1")
+    error = error_from_failed_request(message, category, "req-1", code)
     assert type(error) is expected
     assert isinstance(error, also)
     assert isinstance(error, treadle.RequestFailedError)
     assert error.message == message and error.category == category and error.request_id == "req-1"
+    assert error.code == code
     if isinstance(error, treadle.APIStatusError):
         assert error.status_code == (404 if also is treadle.NotFoundError else 422)

@@ -12,29 +12,54 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(
-    ("status", "detail", "expected"),
+    ("status", "code", "detail", "expected"),
     [
-        (401, "invalid API key", treadle.AuthenticationError),
-        (403, "concurrent session limit reached: tenant 'a' allows 1", treadle.QuotaExceededError),
-        (403, "this key may not use the admin API", treadle.PermissionDeniedError),
-        (402, "spend cap reached", treadle.QuotaExceededError),
-        (404, "training run 'x' not found", treadle.NotFoundError),
+        (401, "unauthenticated", "invalid API key", treadle.AuthenticationError),
+        (
+            403,
+            "quota_exceeded",
+            "concurrent session limit reached: tenant 'a' allows 1",
+            treadle.QuotaExceededError,
+        ),
+        (
+            403,
+            "permission_denied",
+            "this key may not use the admin API",
+            treadle.PermissionDeniedError,
+        ),
+        (402, None, "spend cap reached", treadle.QuotaExceededError),
+        (404, "not_found", "training run 'x' not found", treadle.NotFoundError),
         (
             404,
+            "session_ended",
             "session 's' has finished; start a new session (a new ServiceClient)",
             treadle.SessionExpiredError,
         ),
-        (410, "session 's' expired after missing heartbeats", treadle.SessionExpiredError),
-        (413, "body too large; send smaller batches", treadle.PayloadTooLargeError),
-        (422, "lora rank 512 exceeds 64; pass rank ≤ 64", treadle.BadRequestError),
-        (429, "slow down", treadle.RateLimitError),
-        (503, "maintenance", treadle.InternalServerError),
+        (
+            410,
+            "session_ended",
+            "session 's' expired after missing heartbeats",
+            treadle.SessionExpiredError,
+        ),
+        (
+            413,
+            "payload_too_large",
+            "body too large; send smaller batches",
+            treadle.PayloadTooLargeError,
+        ),
+        (422, "invalid_input", "lora rank 512 exceeds 64; pass rank ≤ 64", treadle.BadRequestError),
+        (429, "rate_limited", "slow down", treadle.RateLimitError),
+        (503, "database_not_migrated", "maintenance", treadle.InternalServerError),
     ],
 )
-def test_status_maps_to_a_class_with_the_message(status: int, detail: str, expected: type) -> None:
-    error = error_from_response(httpx.Response(status, json={"detail": detail, "category": "user"}))
+def test_status_maps_to_a_class_with_the_message(
+    status: int, code: str | None, detail: str, expected: type
+) -> None:
+    body = {"detail": detail, "category": "user", "code": code}
+    error = error_from_response(httpx.Response(status, json=body))
     assert type(error) is expected
     assert error.message == detail and error.status_code == status and error.category == "user"
+    assert error.code == code
     assert detail in str(error)
 
 
