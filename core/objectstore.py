@@ -1,8 +1,10 @@
-"""Where artifacts live: adapters, optimizer state, exports, snapshots.
+"""Where artifacts live: adapters, optimizer state, exports, snapshots, served tokenizers.
 
-A seam with one implementation so far, a local folder (embedded mode, or a shared volume).
-Keys are relative paths such as `tn_x/runs/<run>/weights/<name>`; the store turns them into
-URIs recorded in the database and back into local folders the engine reads and writes.
+A seam with one implementation so far, a local folder (embedded mode, or a volume every
+process mounts at the same path); there is no S3 or other remote store yet. Keys are relative
+paths chosen by the callers, such as `<tenant>/<run>/weights/<name>-<op>` or
+`models/<model>/tokenizer`; the store turns them into `file://` URIs recorded in the database
+and back into local folders the engine reads and writes.
 """
 
 from __future__ import annotations
@@ -15,16 +17,21 @@ from typing import Protocol
 
 class ArtifactStore(Protocol):
     def local_dir(self, key: str) -> Path:
-        """A local folder for `key`, created empty if missing; write the artifact there."""
+        """An empty local folder for `key` (whatever it held is deleted); write the artifact
+        there."""
         ...
 
-    def uri(self, key: str) -> str: ...
+    def uri(self, key: str) -> str:
+        """The URI to record for the artifact at `key`."""
+        ...
 
     def open_dir(self, uri: str) -> Path:
         """The local folder holding the artifact at `uri`, for reading."""
         ...
 
-    def delete(self, uri: str) -> None: ...
+    def delete(self, uri: str) -> None:
+        """Remove the artifact at `uri`; one that is already gone is no error."""
+        ...
 
     def size_and_digest(self, uri: str) -> tuple[int, str]:
         """Total bytes and a sha256 over the artifact's files (names and contents)."""

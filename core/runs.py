@@ -1,8 +1,10 @@
-"""Training runs and sampling sessions: the one write path for their rows.
+"""Training runs and sampling sessions: where their rows are created, and tenant-scoped reads.
 
-A training run is created by the submission of its creation op (create_model, or a
-create-via-load); both are keyed by `(session_id, model_seq_id)`, so a retried creation returns
-the same run. Reads are always scoped by tenant.
+A training run's row is created together with the submission of its creation op (create_model,
+or a create-via-load); both are keyed by `(session_id, model_seq_id)`, so a retried creation
+returns the same run. A sampling session is keyed by `(session_id, seq)` the same way. The
+rows' later changes (status, placement on a worker, progress through the op log) are made by
+the scheduler, not here. Every read here is scoped by tenant.
 """
 
 from __future__ import annotations
@@ -67,11 +69,17 @@ def get_run(db: OrmSession, tenant_id: str, run_id: str) -> TrainingRun:
     return run
 
 
-def list_runs(db: OrmSession, tenant_id: str, *, limit: int, offset: int) -> tuple[list[TrainingRun], int]:
+def list_runs(
+    db: OrmSession, tenant_id: str, *, limit: int, offset: int
+) -> tuple[list[TrainingRun], int]:
     scoped = TrainingRun.tenant_id == tenant_id
     total = db.scalar(select(func.count()).select_from(TrainingRun).where(scoped)) or 0
     rows = db.scalars(
-        select(TrainingRun).where(scoped).order_by(TrainingRun.created_at.desc(), TrainingRun.id).limit(limit).offset(offset)
+        select(TrainingRun)
+        .where(scoped)
+        .order_by(TrainingRun.created_at.desc(), TrainingRun.id)
+        .limit(limit)
+        .offset(offset)
     )
     return list(rows), total
 
@@ -114,5 +122,7 @@ def create_sampling_session(
 def get_sampling_session(db: OrmSession, tenant_id: str, sampler_id: str) -> SamplingSession:
     sampler = db.get(SamplingSession, sampler_id)
     if sampler is None or sampler.tenant_id != tenant_id:
-        raise NotFound(f"sampling session {sampler_id!r} not found; create one with create_sampling_session")
+        raise NotFound(
+            f"sampling session {sampler_id!r} not found; create one with create_sampling_session"
+        )
     return sampler
