@@ -327,7 +327,10 @@ def tenants_create(
     name: str,
     max_sessions: Annotated[int, typer.Option(help="Concurrent sessions allowed.")] = 4,
     max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank allowed.")] = 64,
-    spend_limit: Annotated[float | None, typer.Option(help="Spend cap in currency units.")] = None,
+    spend_limit: Annotated[
+        float | None,
+        typer.Option(help="Spend cap in currency units; stored, but not enforced yet."),
+    ] = None,
     max_training_runs: MaxTrainingRuns = None,
     max_lora_parameters: MaxLoraParameters = None,
     max_queued_ops: MaxQueuedOps = None,
@@ -362,7 +365,10 @@ def tenants_update(
     name: str,
     max_sessions: Annotated[int | None, typer.Option()] = None,
     max_lora_rank: Annotated[int | None, typer.Option()] = None,
-    spend_limit: Annotated[float | None, typer.Option()] = None,
+    spend_limit: Annotated[
+        float | None,
+        typer.Option(help="Spend cap in currency units; stored, but not enforced yet."),
+    ] = None,
     no_spend_limit: Annotated[bool, typer.Option(help="Remove the spend cap.")] = False,
     max_training_runs: MaxTrainingRuns = None,
     max_lora_parameters: MaxLoraParameters = None,

@@ -1,4 +1,8 @@
-"""Metering and billing: the usage ledger, prices, rollups, spend caps, the Stripe gateway.
+"""Metering: the usage ledger, which records quantities per operation and kind.
 
-Imports `core` only; the only module allowed to import `stripe` lives here.
+Billing proper is not built yet: there are no prices, hourly rollups, spend caps or Stripe
+gateway. The `prices` and `usage_rollups` tables exist (`billing.tables`) but nothing reads or
+writes them, and a tenant's spend limit is stored but not enforced.
+
+Imports `core` only. `stripe` may be imported here and nowhere else (an import-linter contract).
 """

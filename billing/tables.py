@@ -1,5 +1,8 @@
 """Billing tables: the append-only usage ledger, hourly rollups and the price book.
 
+Only the ledger (`usage_events`) is used; rollups and prices are not built yet, so nothing
+reads or writes their tables.
+
 Money is integer micro-units (1e-6 of the currency unit), never floats.
 """
 
