@@ -73,13 +73,14 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     max_concurrent_sessions: Mapped[int] = mapped_column(Integer)
     max_lora_rank: Mapped[int] = mapped_column(Integer)
+    # Stored by `treadle-server admin tenants`, not enforced yet (billing is not built).
     spend_limit_micros: Mapped[int | None] = mapped_column(BigInteger)
     # Resource limits; NULL means the server's default (core.tenants.DEFAULT_LIMITS).
     max_training_runs: Mapped[int | None] = mapped_column(Integer)
     max_lora_parameters: Mapped[int | None] = mapped_column(BigInteger)
     max_queued_ops: Mapped[int | None] = mapped_column(Integer)
     max_sampling_requests: Mapped[int | None] = mapped_column(Integer)
-    stripe_customer_id: Mapped[str | None] = mapped_column(String(100))
+    stripe_customer_id: Mapped[str | None] = mapped_column(String(100))  # unused: no Stripe yet
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime]
 
@@ -237,6 +238,8 @@ class ModelVersion(Base):
 
 
 class ModelAlias(Base):
+    """A movable name for one version of a package. Not built yet: nothing reads or writes it."""
+
     __tablename__ = "model_aliases"
     __table_args__ = (UniqueConstraint("package_id", "name"),)
 
@@ -266,6 +269,8 @@ class Worker(Base):
 
 
 class AuditLog(Base):
+    """Who did what to which tenant. Not built yet: nothing reads or writes it."""
+
     __tablename__ = "audit_log"
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
