@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session as OrmSession
 from api.deps import AppState
 from core import runs, sessions
 from core.apikeys import Principal
-from core.errors import InvalidInput, SessionExpired, TreadleError
+from core.errors import ErrorCode, InvalidInput, SessionExpired, TreadleError
 from core.ids import training_run_id
 from core.tables import Tenant, TrainingRun
 from scheduler.admission import admit_training_run
@@ -50,7 +50,8 @@ def check_base_model(state: AppState, base_model: str) -> None:
     if base_model not in state.settings.offered_models:
         raise InvalidInput(
             f"base model {base_model!r} is not served here; use one of {state.settings.offered_models} "
-            "(ServiceClient.get_server_capabilities() lists them)"
+            "(ServiceClient.get_server_capabilities() lists them)",
+            code=ErrorCode.UNSUPPORTED,
         )
 
 

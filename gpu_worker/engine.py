@@ -215,7 +215,7 @@ class Engine:
                 try:
                     p = self._prepare(op)
                 except UserInputError as exc:
-                    results[i] = OpError("user", str(exc))
+                    results[i] = OpError.of_input(exc)
                     continue
                 except Exception as exc:  # this op alone fails; its batch-mates still run
                     log.exception("preparing forward_backward of %s failed", op.run_id)
@@ -234,7 +234,7 @@ class Engine:
                         try:
                             results[i] = self._execute([p])[0]
                         except UserInputError as exc:
-                            results[i] = OpError("user", str(exc))
+                            results[i] = OpError.of_input(exc)
                         except Exception as exc:
                             results[i] = OpError("server", f"{type(exc).__name__}: {exc}")
             return [r if r is not None else OpError("server", "op was not executed")
@@ -314,7 +314,7 @@ class Engine:
                                        stop_ids, stop_strings)
                     by_model.setdefault(m.name, []).append((i, job))
                 except UserInputError as exc:
-                    out[i] = OpError("user", str(exc))
+                    out[i] = OpError.of_input(exc)
             for name, members in by_model.items():
                 m = self._models[name]
                 try:

@@ -7,8 +7,9 @@ dense numpy arrays first (the scheduler does so with `TensorData.to_numpy()`, wh
 decodes the sparse CSR form the tinker SDK sends for 2-D `target_tokens`/`weights`); the engine
 itself only accepts dense arrays.
 
-`UserInputError` marks bad input (the message says what to change); any other exception
-raised by the engine is a server error.
+`UserInputError` marks bad input (the message says what to change), `UnsupportedInput` input
+asking for what the engine does not offer; any other exception raised by the engine is a
+server error.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ StopReason = Literal["stop", "length"]
 
 class UserInputError(ValueError):
     """The request is malformed; the message says what the caller should change."""
+
+
+class UnsupportedInput(UserInputError):
+    """The request asks for something this engine does not offer (a loss, a sampling option);
+    the message names what to use instead."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +95,16 @@ class ForwardBackwardOp:
 
 @dataclass
 class OpError:
-    """Why one op of a batch failed; `category` is "user" for bad input, else "server"."""
+    """Why one op of a batch failed; `category` is "user" for bad input, else "server", and
+    `unsupported` marks input that asks for what the engine does not offer."""
 
     category: Literal["user", "server"]
     message: str
+    unsupported: bool = False
+
+    @classmethod
+    def of_input(cls, exc: UserInputError) -> OpError:
+        return cls("user", str(exc), unsupported=isinstance(exc, UnsupportedInput))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from gpu_worker.protocol import (
     Datum,
     LoraSpec,
     SamplingParams,
+    UnsupportedInput,
     UserInputError,
 )
 
@@ -56,12 +57,12 @@ def check_tokens(tokens: object, vocab_size: int, max_context: int, what: str) -
 
 def check_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[str, float]:
     if loss_fn == "stable_reinforce":
-        raise UserInputError(
+        raise UnsupportedInput(
             "loss_fn 'stable_reinforce' needs per-sequence stability info recorded at "
             "sampling time, which this server does not record; use loss_fn='ppo' (clipped, "
             "robust off-policy) or 'importance_sampling' with the sampler's logprobs instead")
     if loss_fn not in LOSS_INPUTS:
-        raise UserInputError(f"unknown loss_fn {loss_fn!r}; use one of {list(LOSS_FNS)}")
+        raise UnsupportedInput(f"unknown loss_fn {loss_fn!r}; use one of {list(LOSS_FNS)}")
     merged = dict(LOSS_CONFIG_DEFAULTS[loss_fn])
     allowed = set(merged) | set(LOSS_CONFIG_REQUIRED.get(loss_fn, ()))
     for key, value in (config or {}).items():

@@ -133,7 +133,7 @@ def loss_config(request: ForwardBackwardRequest) -> dict[str, float] | None:
     numbers: dict[str, float] = {}
     for key, value in request.loss_fn_config.items():
         if isinstance(value, str):
-            raise ep.UserInputError(
+            raise ep.UnsupportedInput(
                 f"loss_fn_config[{key!r}] is text ({value!r}); server-side custom losses are not "
                 "supported: use forward_backward_custom, which computes the loss client-side"
             )
@@ -173,17 +173,17 @@ def sample_request(
     request: SampleRequest, *, run_id: str | None, base_model: str
 ) -> ep.SampleRequest:
     if request.prompt_alt_tokens_k:
-        raise ep.UserInputError("prompt_alt_tokens_k is not supported; leave it at 0")
+        raise ep.UnsupportedInput("prompt_alt_tokens_k is not supported; leave it at 0")
     if request.target_prompt_logprobs is not None:
-        raise ep.UserInputError(
+        raise ep.UnsupportedInput(
             "target_prompt_logprobs is not supported; compute logprobs of the target with compute_logprobs"
         )
     if request.topk_sample_logprobs:
-        raise ep.UserInputError(
+        raise ep.UnsupportedInput(
             "topk_sample_logprobs is not supported; leave it at 0 (sampled-token logprobs are always returned)"
         )
     if request.record_stability_info:
-        raise ep.UserInputError(
+        raise ep.UnsupportedInput(
             "record_stability_info is not supported yet; train with importance_sampling, ppo or cispo instead of stable_reinforce"
         )
     params = request.sampling_params

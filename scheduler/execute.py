@@ -102,7 +102,7 @@ def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
     try:
         return work()
     except ep.UserInputError as exc:
-        return Outcome.failed(OpFailure.user(str(exc)))
+        return Outcome.failed(OpFailure.of_input(exc))
     except Refused as exc:
         return Outcome.failed(exc.failure)
     except ValidationError as exc:
@@ -154,7 +154,7 @@ class Executor:
             try:
                 op = self._forward_backward_op(task)
             except (WireFormatError, ep.UserInputError) as exc:
-                outcomes[task.id] = Outcome.failed(OpFailure.user(str(exc)))
+                outcomes[task.id] = Outcome.failed(OpFailure.of_input(exc))
                 continue
             except Refused as exc:
                 outcomes[task.id] = Outcome.failed(exc.failure)
@@ -225,7 +225,7 @@ class Executor:
                     )
                 )
             except ep.UserInputError as exc:
-                outcomes[task.id] = Outcome.failed(OpFailure.user(str(exc)))
+                outcomes[task.id] = Outcome.failed(OpFailure.of_input(exc))
             except Refused as exc:
                 outcomes[task.id] = Outcome.failed(exc.failure)
             except Exception as exc:

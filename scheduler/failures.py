@@ -44,11 +44,20 @@ class OpFailure:
         return cls(exc.code, category, exc.message)
 
     @classmethod
+    def of_input(cls, exc: Exception) -> OpFailure:
+        """Input the engine's checks or the wire decoder refused."""
+        if isinstance(exc, ep.UnsupportedInput):
+            return cls.user(str(exc), ErrorCode.UNSUPPORTED)
+        return cls.user(str(exc))
+
+    @classmethod
     def of_engine(cls, error: ep.OpError) -> OpFailure:
-        """One op's error out of an engine batch (the engine knows only user and server)."""
-        if error.category == "user":
-            return cls.user(error.message)
-        return cls.server(error.message)
+        """One op's error out of an engine batch."""
+        if error.category != "user":
+            return cls.server(error.message)
+        if error.unsupported:
+            return cls.user(error.message, ErrorCode.UNSUPPORTED)
+        return cls.user(error.message)
 
     @classmethod
     def stored(cls, code: str | None, category: str | None, message: str | None) -> OpFailure:
