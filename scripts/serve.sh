@@ -3,5 +3,5 @@
 # Arguments go to `treadle-server serve` (e.g. --port 9000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/bootstrap.sh
+./scripts/bootstrap.sh serve
 exec .venv/bin/treadle-server serve "$@"

