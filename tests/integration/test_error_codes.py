@@ -62,7 +62,9 @@ def raising() -> Iterator[TestClient]:
 
 
 @pytest.mark.parametrize("cls", DOMAIN_ERRORS, ids=lambda c: c.__qualname__)
-def test_every_domain_error_answers_its_code(raising: TestClient, cls: type) -> None:
+def test_every_domain_error_answers_its_code(
+    raising: TestClient, cls: type[errors.TreadleError]
+) -> None:
     assert cls.code in ErrorCode  # each class names its own, from the closed set
     response = raising.get(f"/raise/{cls.__qualname__}")
     body = response.json()
