@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
 from core.db import Database
-from core.errors import NotFound, QuotaExceeded, SessionExpired
+from core.errors import ErrorCode, NotFound, QuotaExceeded, SessionExpired
 from core.ids import new_session_id
 from core.tables import SamplingSession, Session, Tenant, TrainingRun
 
@@ -180,11 +180,12 @@ def heartbeat(
 def require_active(
     db: OrmSession, clock: Clock, *, tenant_id: str, session_id: str, ttl_seconds: float
 ) -> Session:
-    """The session if it is open; ended and foreign sessions look alike (404)."""
+    """The session if it is open; ended and foreign sessions both answer 404 (an ended one
+    with code `session_ended`, as its message says)."""
     session = _owned(db, tenant_id, session_id)
     _refresh_expiry(session, clock, ttl_seconds)
     if session.status != ACTIVE:
-        raise NotFound(_ended_message(session))
+        raise NotFound(_ended_message(session), code=ErrorCode.SESSION_ENDED)
     return session
 
 

@@ -155,6 +155,8 @@ def test_domain_answers_carry_codes(app: EmbeddedApp) -> None:
     assert finished.status_code == 200, finished.text
     ended = app.post(headers, "session_heartbeat", {"session_id": session_id})
     assert _code(ended, 410) == "session_ended"
+    # Work on an ended session answers 404, as a foreign session's would, but its code says why.
+    assert _code(app.post(headers, "create_model", base), 404) == "session_ended"
 
 
 def test_failed_operations_carry_their_code_to_the_future_and_the_row(app: EmbeddedApp) -> None:
