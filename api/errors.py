@@ -1,8 +1,8 @@
 """The one mapping from domain errors to HTTP responses.
 
 Bodies are always JSON (`{"detail": message, "category": ..., "code": ...}`, the code one of
-`ErrorCode`'s): the tinker SDK treats a 400 with an empty body as a proxy reset and retries it. Permanent conditions never use 408/409/429/5xx,
-which the tinker SDK retries for minutes.
+`ErrorCode`'s): the tinker SDK treats a 400 with an empty body as a proxy reset and retries it.
+Permanent conditions never use 408/409/429/5xx, which the tinker SDK retries for minutes.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ def status_for(exc: errors.TreadleError) -> int:
     return 400
 
 
-# The code of an error the framework raises (no route ran, or the body never decoded), by status.
+# The code of any other HTTP error the framework raises, by status (else by its class).
 _FRAMEWORK_CODES = {
-    400: ErrorCode.INVALID_INPUT,
-    404: ErrorCode.UNKNOWN_ENDPOINT,
-    405: ErrorCode.METHOD_NOT_ALLOWED,
+    401: ErrorCode.UNAUTHENTICATED,
+    403: ErrorCode.PERMISSION_DENIED,
+    404: ErrorCode.NOT_FOUND,
     413: ErrorCode.PAYLOAD_TOO_LARGE,
-    422: ErrorCode.INVALID_INPUT,
+    429: ErrorCode.RATE_LIMITED,
 }
 
 
@@ -112,8 +112,10 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = allowed_methods(request)
             headers["Allow"] = ", ".join(allowed)
             message = f"{request.method} is not allowed on {shown}; use {' or '.join(allowed)}"
+            code = ErrorCode.METHOD_NOT_ALLOWED
         elif exc.status_code == 404 and exc.detail == HTTPStatus.NOT_FOUND.phrase:
             message = f"no endpoint at {shown}; /openapi.json lists the endpoints"
+            code = ErrorCode.UNKNOWN_ENDPOINT
         elif exc.status_code == 400 and exc.detail == _UNPARSEABLE_BODY:
             # FastAPI could not even decode a JSON body (not UTF-8): invalid like any bad JSON.
             cause = str(exc.__cause__ or "undecodable")[:120]
@@ -124,9 +126,9 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         else:
             message = str(exc.detail)
-        code = _FRAMEWORK_CODES.get(exc.status_code)
-        if code is None:
-            code = ErrorCode.INTERNAL_ERROR if exc.status_code >= 500 else ErrorCode.INVALID_INPUT
+            code = _FRAMEWORK_CODES.get(exc.status_code, ErrorCode.INVALID_INPUT)
+            if exc.status_code >= 500:
+                code = ErrorCode.INTERNAL_ERROR
         response = error_response(exc.status_code, code, message)
         response.headers.update(headers)
         return response
