@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import BindParameter, Select, bindparam, func, select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.ledger import UsageLine
@@ -37,7 +37,7 @@ from scheduler.ops import (
     refusal_of,
 )
 from scheduler.submit import DONE, FAILED
-from scheduler.task import Task
+from scheduler.task import FailedForwardBackward, Task
 from treadle.types import (
     CreateModelResponse,
     ForwardBackwardRequest,
@@ -328,9 +328,12 @@ class Executor:
         and the window's gradients are discarded so the client can send the batch again.
         The decision reads only ops recorded before this one, so replay reaches it again.
         """
-        failed = failed_forward_backwards(
-            self.database, task.target_id, task.seq_id, self.max_request_bytes
-        )
+        failed = task.failed_gradients
+        if failed is None:  # not looked up when it was claimed (replay)
+            with self.database.reader() as db:
+                failed = failed_forward_backwards(
+                    db, task.target_id, task.seq_id, self.max_request_bytes
+                )
         if not failed:
             return None
         self.engine.clear_gradients(task.target_id)
@@ -576,16 +579,53 @@ class Executor:
         return Outcome.json(UnloadModelResponse(model_id=task.target_id), apply=apply)
 
 
-@dataclasses.dataclass(frozen=True)
-class FailedForwardBackward:
-    request_id: str
-    seq_id: int
-    reason: str
+def _failed_in_window() -> Select[str, int | None, str, str | None, str | None, bytes, str]:
+    """Failed forward_backward and optim_step ops after the last op that left no gradients
+    pending, before `seq_id`. Walks the run's (target_id, seq_id) index: usually a few rows."""
+    run_id: BindParameter[str] = bindparam("run_id")
+    seq_id: BindParameter[int] = bindparam("seq_id")
+    start = (
+        select(Operation.seq_id)
+        .where(
+            Operation.target_id == run_id,
+            Operation.seq_id < seq_id,
+            Operation.status == DONE,
+            Operation.kind.in_(
+                (OpKind.OPTIM_STEP.value, OpKind.CREATE_MODEL.value, OpKind.LOAD_WEIGHTS.value)
+            ),
+        )
+        .order_by(Operation.seq_id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    return (
+        select(
+            Operation.id,
+            Operation.seq_id,
+            Operation.kind,
+            Operation.error_category,
+            Operation.error_message,
+            Operation.payload,
+            Operation.payload_codec,
+        )
+        .where(
+            Operation.target_id == run_id,
+            Operation.seq_id < seq_id,
+            Operation.seq_id > func.coalesce(start, -1),
+            Operation.status == FAILED,
+            Operation.started_at.is_not(None),
+            Operation.kind.in_((OpKind.FORWARD_BACKWARD.value, OpKind.OPTIM_STEP.value)),
+        )
+        .order_by(Operation.seq_id)
+    )
+
+
+_FAILED_IN_WINDOW = _failed_in_window()
 
 
 def failed_forward_backwards(
-    database: Database, run_id: str, seq_id: int | None, max_body_bytes: int
-) -> list[FailedForwardBackward]:
+    db: OrmSession, run_id: str, seq_id: int | None, max_body_bytes: int
+) -> tuple[FailedForwardBackward, ...]:
     """The failed forward_backward ops whose gradients an optim_step at `seq_id` would miss.
 
     Its window starts after the run's last op that left no gradients pending: a successful
@@ -595,46 +635,8 @@ def failed_forward_backwards(
     is failed at once, after the step behind it ran).
     """
     if seq_id is None:
-        return []
-    with database.reader() as db:
-        # Walks the run's (target_id, seq_id) index back from this op: usually a few rows.
-        start = db.scalar(
-            select(Operation.seq_id)
-            .where(
-                Operation.target_id == run_id,
-                Operation.seq_id < seq_id,
-                Operation.status == DONE,
-                Operation.kind.in_(
-                    (
-                        OpKind.OPTIM_STEP.value,
-                        OpKind.CREATE_MODEL.value,
-                        OpKind.LOAD_WEIGHTS.value,
-                    )
-                ),
-            )
-            .order_by(Operation.seq_id.desc())
-            .limit(1)
-        )
-        rows = db.execute(
-            select(
-                Operation.id,
-                Operation.seq_id,
-                Operation.kind,
-                Operation.error_category,
-                Operation.error_message,
-                Operation.payload,
-                Operation.payload_codec,
-            )
-            .where(
-                Operation.target_id == run_id,
-                Operation.seq_id < seq_id,
-                Operation.seq_id > (start if start is not None else -1),
-                Operation.status == FAILED,
-                Operation.started_at.is_not(None),
-                Operation.kind.in_((OpKind.FORWARD_BACKWARD.value, OpKind.OPTIM_STEP.value)),
-            )
-            .order_by(Operation.seq_id)
-        ).all()
+        return ()
+    rows = db.execute(_FAILED_IN_WINDOW, {"run_id": run_id, "seq_id": seq_id}).all()
     pending: list[FailedForwardBackward] = []
     for request_id, op_seq, kind, category, message, payload, codec in rows:
         if kind == OpKind.OPTIM_STEP.value:
@@ -643,7 +645,7 @@ def failed_forward_backwards(
         elif not _forward_only(payload, codec, max_body_bytes):
             assert op_seq is not None
             pending.append(FailedForwardBackward(request_id, op_seq, message or "unknown error"))
-    return pending
+    return tuple(pending)
 
 
 def _stored_forward_backward(

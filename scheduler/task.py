@@ -9,6 +9,15 @@ from scheduler.ops import OpKind
 
 
 @dataclasses.dataclass(frozen=True)
+class FailedForwardBackward:
+    """A forward_backward whose gradients an optimizer step would miss."""
+
+    request_id: str
+    seq_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
     id: str
     kind: OpKind
@@ -20,9 +29,18 @@ class Task:
     payload_codec: str
     base_model: str
     sampler_version_id: str | None = None
+    failed_gradients: tuple[FailedForwardBackward, ...] | None = None
+    """Of an optim_step: the failed forward_backward ops in its window, when looked up as it
+    was claimed (None: not looked up)."""
 
     @classmethod
-    def of(cls, op: Operation, base_model: str, sampler_version_id: str | None = None) -> Task:
+    def of(
+        cls,
+        op: Operation,
+        base_model: str,
+        sampler_version_id: str | None = None,
+        failed_gradients: tuple[FailedForwardBackward, ...] | None = None,
+    ) -> Task:
         return cls(
             id=op.id,
             kind=OpKind(op.kind),
@@ -34,4 +52,5 @@ class Task:
             payload_codec=op.payload_codec,
             base_model=base_model,
             sampler_version_id=sampler_version_id,
+            failed_gradients=failed_gradients,
         )

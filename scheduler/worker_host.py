@@ -8,6 +8,7 @@ result with its usage in one transaction. Waiters are then woken through the not
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import socket
@@ -16,9 +17,9 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, exists, func, or_, select, update
+from sqlalchemy import Select, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session as OrmSession
-from sqlalchemy.orm import aliased
+from sqlalchemy.orm import aliased, defer
 
 from billing.ledger import record_usage
 from core import checkpoints
@@ -38,7 +39,7 @@ from core.tables import (
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
 from scheduler import failures
-from scheduler.execute import Executor, Outcome
+from scheduler.execute import Executor, Outcome, failed_forward_backwards
 from scheduler.failures import OpFailure
 from scheduler.models import tokenizer_key
 from scheduler.notify import Notifier
@@ -83,6 +84,54 @@ TOKENIZER_FILES = frozenset(
 )
 
 
+_ANY_QUEUED = select(Operation.id).where(Operation.status == QUEUED).limit(1)
+
+
+def _ready_training_ops(worker_id: str | None) -> Select[Operation, str]:
+    """Queued training ops that may run now (each run's next seq_id, or an unload with nothing
+    before it), with their run's base model; only runs placed on `worker_id` if given."""
+    earlier = aliased(Operation)
+    nothing_before = ~exists().where(
+        earlier.target_id == Operation.target_id,
+        earlier.status.in_((QUEUED, RUNNING)),
+        earlier.seq_id < Operation.seq_id,
+    )
+    return (
+        select(Operation, TrainingRun.base_model)
+        .join(TrainingRun, TrainingRun.id == Operation.target_id)
+        .where(
+            Operation.status == QUEUED,
+            or_(
+                Operation.seq_id == TrainingRun.executed_seq_id + 1,
+                and_(Operation.seq_id == UNLOAD_SEQ, nothing_before),
+            ),
+            *((TrainingRun.worker_id == worker_id,) if worker_id is not None else ()),
+        )
+    )
+
+
+def _ready_samples(worker_id: str | None, limit: int) -> Select[Operation, str, str | None]:
+    """The oldest queued sampling requests, with their sampler's base model and version."""
+    return (
+        select(Operation, SamplingSession.base_model, SamplingSession.model_version_id)
+        .join(SamplingSession, SamplingSession.id == Operation.target_id)
+        .where(
+            Operation.status == QUEUED,
+            Operation.kind == OpKind.SAMPLE.value,
+            *((SamplingSession.worker_id == worker_id,) if worker_id is not None else ()),
+        )
+        .order_by(Operation.created_at)
+        .limit(limit)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotDue:
+    """A run's state is to be saved after the op just recorded; `previous` is then deleted."""
+
+    previous: str | None
+
+
 class WorkerHost:
     def __init__(
         self,
@@ -121,6 +170,11 @@ class WorkerHost:
         self.executor = Executor(
             engine, store, database, clock, max_request_bytes=max_request_bytes
         )
+        # Built once: the claim runs for every op, and building its statements costs more
+        # than running them.
+        owner = worker_id if owned_only else None
+        self._ready_training = _ready_training_ops(owner)
+        self._ready_samples = _ready_samples(owner, max_sample_batch)
 
     # --- start-up -------------------------------------------------------------------------
 
@@ -272,9 +326,9 @@ class WorkerHost:
                 outcomes[task.id] = self.executor.run(task)
         outcomes.update(self.executor.sample([t for t in tasks if t.kind is OpKind.SAMPLE]))
         for task in tasks:
-            self._record(task, outcomes[task.id])
-            if task.kind is OpKind.OPTIM_STEP and outcomes[task.id].error is None:
-                self._maybe_snapshot(task)
+            due = self._record(task, outcomes[task.id])
+            if due is not None:
+                self._snapshot(task, due)
 
     def _release(self) -> None:
         """Queue the claimed but unrecorded ops again, or give up on those tried too often.
@@ -320,14 +374,17 @@ class WorkerHost:
         )
         self._advance(db, OpKind(op.kind), op.target_id, op.seq_id)
 
-    def _advance(self, db: OrmSession, kind: OpKind, target_id: str, seq_id: int | None) -> None:
+    def _advance(
+        self, db: OrmSession, kind: OpKind, target_id: str, seq_id: int | None
+    ) -> TrainingRun | None:
         """A training op finished (either way): its run's next op may run."""
         if kind is OpKind.SAMPLE or seq_id is None:
-            return
+            return None
         run = db.get(TrainingRun, target_id)
         if run is not None:
             run.executed_seq_id = max(run.executed_seq_id, seq_id)
             run.last_request_at = self.clock.now()
+        return run
 
     def _ensure_loaded(self, task: Task) -> Outcome | None:
         """Restore a run this engine does not hold; a failure outcome if that is impossible."""
@@ -347,14 +404,8 @@ class WorkerHost:
             )
         return None
 
-    def _maybe_snapshot(self, task: Task) -> None:
-        """Every few optimizer steps, save the run's state so recovery replays only a little."""
-        with self.database.reader() as db:
-            run = db.get(TrainingRun, task.target_id)
-            due = run is not None and run.optim_steps % self.snapshot_every_steps == 0
-            previous = run.snapshot_uri if run is not None else None
-        if not due:
-            return
+    def _snapshot(self, task: Task, due: SnapshotDue) -> None:
+        """Save the run's state after this optimizer step, so recovery replays only a little."""
         try:
             _, uri = self.executor.snapshot(task)
         except Exception:
@@ -366,15 +417,16 @@ class WorkerHost:
             run = db.get(TrainingRun, task.target_id)
             if run is not None:
                 run.snapshot_seq_id, run.snapshot_uri = task.seq_id, uri
-        if previous is not None and previous != uri:
-            self.store.delete(previous)
+        if due.previous is not None and due.previous != uri:
+            self.store.delete(due.previous)
 
     def _claim(self) -> tuple[list[Task], int]:
         """Claim what is ready; also returns how many ops it gave up on instead."""
         # Look before taking the write lock: an idle engine must not contend with the API's
         # writes (on SQLite a contended BEGIN IMMEDIATE sleeps in the busy handler).
-        with self.database.reader() as db:
-            if db.scalar(select(Operation.id).where(Operation.status == QUEUED).limit(1)) is None:
+        # A plain connection, no ORM session: this runs twice per op, once finding nothing.
+        with self.database.engine.connect() as connection:
+            if connection.execute(_ANY_QUEUED).first() is None:
                 return [], 0
         now = self.clock.now()
         with self.database.transaction() as db:
@@ -383,36 +435,9 @@ class WorkerHost:
                 self._gaps_checked_at = time.monotonic()
                 self._release_gaps(db, now)
             rows: list[tuple[Operation, str, str | None]] = []
-            earlier = aliased(Operation)
-            nothing_before = ~exists().where(
-                earlier.target_id == Operation.target_id,
-                earlier.status.in_((QUEUED, RUNNING)),
-                earlier.seq_id < Operation.seq_id,
-            )
-            training = db.execute(
-                select(Operation, TrainingRun.base_model)
-                .join(TrainingRun, TrainingRun.id == Operation.target_id)
-                .where(
-                    Operation.status == QUEUED,
-                    or_(
-                        Operation.seq_id == TrainingRun.executed_seq_id + 1,
-                        and_(Operation.seq_id == UNLOAD_SEQ, nothing_before),
-                    ),
-                    *((TrainingRun.worker_id == self.worker_id,) if self.owned_only else ()),
-                )
-            ).all()
+            training = db.execute(self._ready_training).all()
             rows.extend((op, base, None) for op, base in training)
-            samples = db.execute(
-                select(Operation, SamplingSession.base_model, SamplingSession.model_version_id)
-                .join(SamplingSession, SamplingSession.id == Operation.target_id)
-                .where(
-                    Operation.status == QUEUED,
-                    Operation.kind == OpKind.SAMPLE.value,
-                    *((SamplingSession.worker_id == self.worker_id,) if self.owned_only else ()),
-                )
-                .order_by(Operation.created_at)
-                .limit(self.max_sample_batch)
-            ).all()
+            samples = db.execute(self._ready_samples).all()
             rows.extend((op, base, version) for op, base, version in samples)
             given_up = [op for op, _, _ in rows if op.attempts >= self.max_attempts]
             for op in given_up:
@@ -431,7 +456,13 @@ class WorkerHost:
                     op.attempts + 1,
                     self.worker_id,
                 )
-                tasks.append(Task.of(op, base_model, version_id))
+                failed = None
+                if op.kind == OpKind.OPTIM_STEP.value:
+                    # Every earlier op of the run is recorded by now: the step's window is whole.
+                    failed = failed_forward_backwards(
+                        db, op.target_id, op.seq_id, self.executor.max_request_bytes
+                    )
+                tasks.append(Task.of(op, base_model, version_id, failed))
         for op in given_up:
             self.notifier.publish(op.id)
         return tasks, len(given_up)
@@ -466,21 +497,25 @@ class WorkerHost:
                 )
                 run.executed_seq_id = first_waiting - 1
 
-    def _record(self, task: Task, outcome: Outcome) -> None:
+    def _record(self, task: Task, outcome: Outcome) -> SnapshotDue | None:
         try:
-            self._store(task, outcome)
+            due = self._store(task, outcome)
         except TreadleError as exc:
             # The engine work succeeded but its bookkeeping was refused (e.g. a checkpoint name
             # taken meanwhile): report it as the op's error, leaving the rest unchanged.
-            self._store(task, Outcome.failed(OpFailure.of(exc)))
+            due = self._store(task, Outcome.failed(OpFailure.of(exc)))
         self._unrecorded.pop(task.id, None)
         self.notifier.publish(task.id)
+        return due
 
-    def _store(self, task: Task, outcome: Outcome) -> None:
+    def _store(self, task: Task, outcome: Outcome) -> SnapshotDue | None:
+        """Record the outcome, its usage and the run's progress in one transaction; says
+        whether the run's state is due for a snapshot (every few successful optimizer steps)."""
         with self.database.transaction() as db:
-            op = db.get(Operation, task.id)
+            # The request body stays unread: it can be large, and it is no longer needed.
+            op = db.get(Operation, task.id, options=[defer(Operation.payload)])
             if op is None or op.status != RUNNING:
-                return  # already recorded (a redelivery); never record twice
+                return None  # already recorded (a redelivery); never record twice
             op.finished_at = self.clock.now()
             if outcome.error is not None:
                 op.status = FAILED
@@ -498,4 +533,8 @@ class WorkerHost:
                     base_model=task.base_model,
                     lines=outcome.usage,
                 )
-            self._advance(db, task.kind, task.target_id, task.seq_id)
+            run = self._advance(db, task.kind, task.target_id, task.seq_id)
+            stepped = task.kind is OpKind.OPTIM_STEP and outcome.error is None
+            if run is None or not stepped or run.optim_steps % self.snapshot_every_steps:
+                return None
+            return SnapshotDue(previous=run.snapshot_uri)
