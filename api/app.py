@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     if settings.mode is Mode.DISTRIBUTED:
         assert settings.redis_url is not None
         notifier = RedisNotifier(settings.redis_url)
-        dispatcher = CeleryDispatcher(settings, database, clock)
+        dispatcher = CeleryDispatcher(settings, clock)
     else:
         notifier = InProcessNotifier()
         dispatcher = embedded_dispatcher(settings, database, clock, notifier, store)

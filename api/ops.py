@@ -77,9 +77,9 @@ def open_run(
     user_metadata: dict[str, Any] | None,
     kind: OpKind,
     payload: dict[str, Any],
-) -> tuple[TrainingRun, Submitted]:
+) -> tuple[TrainingRun, Submitted, str | None]:
     """Create a training run and submit the op that brings it to life (create_model, or a load),
-    as the run's seq 0. A retried creation answers with the same run and request, even when the
+    as the run's seq 0; also returns the worker assigned to run it (see `Dispatcher.assign`). A retried creation answers with the same run and request, even when the
     tenant's limits would refuse a new run now."""
     require_session(db, state, principal, session_id)
     check_rank(db, principal, int(lora_config.get("rank", 32)))
@@ -115,7 +115,7 @@ def open_run(
         payload=data,
         payload_codec=codec,
     )
-    return run, submitted
+    return run, submitted, state.dispatcher.assign(db, run.id)
 
 
 def submit_json_op(
@@ -142,5 +142,6 @@ def submit_json_op(
         submitted = submit_training_op(
             db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data, payload_codec=codec
         )
-    state.dispatcher.wake(run.id)
+        worker = state.dispatcher.assign(db, run.id)
+    state.dispatcher.wake(worker)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=model_id)

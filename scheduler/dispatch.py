@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from sqlalchemy.orm import Session as OrmSession
+
 from core.clock import Clock
-from core.db import Database
 from core.settings import Settings
 from scheduler.celery_app import RUN_READY_TASK, worker_queue
 from scheduler.placement import place
@@ -36,8 +37,14 @@ class Dispatcher(Protocol):
 
     def stop(self) -> None: ...
 
-    def wake(self, target_id: str | None = None) -> None:
-        """New work was submitted for `target_id` (a training run or sampling session)."""
+    def assign(self, db: OrmSession, target_id: str) -> str | None:
+        """Inside the transaction that submits work for `target_id` (a training run or sampling
+        session): the worker that runs it, placing it first when no live worker holds it; None
+        when no worker can take it yet, or when one engine runs everything (embedded mode)."""
+        ...
+
+    def wake(self, worker_id: str | None = None) -> None:
+        """New work was submitted, for `worker_id` when it was assigned one."""
         ...
 
     def wait_ready(self, timeout: float) -> bool:
@@ -75,7 +82,10 @@ class EmbeddedDispatcher:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
-    def wake(self, target_id: str | None = None) -> None:
+    def assign(self, db: OrmSession, target_id: str) -> str | None:
+        return None
+
+    def wake(self, worker_id: str | None = None) -> None:
         self._wake.set()
 
     def wait_ready(self, timeout: float) -> bool:
@@ -118,17 +128,17 @@ class EmbeddedDispatcher:
 
 
 class CeleryDispatcher:
-    """Distributed mode: place the target on a live worker and wake it through its own queue.
+    """Distributed mode: place the target on a live worker (in the submitting transaction, and
+    only when no live worker holds it) and wake that worker through its own queue.
 
     The message carries no work, only "look at the database": workers claim ops from there, so
     a duplicated or lost message costs nothing but a poll.
     """
 
-    def __init__(self, settings: Settings, database: Database, clock: Clock) -> None:
+    def __init__(self, settings: Settings, clock: Clock) -> None:
         from scheduler.celery_app import make_celery
 
         self._settings = settings
-        self._database = database
         self._clock = clock
         self._celery = make_celery(settings)
 
@@ -145,15 +155,15 @@ class CeleryDispatcher:
     def failure(self) -> str | None:
         return None
 
-    def wake(self, target_id: str | None = None) -> None:
-        if target_id is None:
-            return
-        with self._database.transaction() as db:
-            worker_id = place(db, self._settings, self._clock.now(), target_id)
+    def assign(self, db: OrmSession, target_id: str) -> str | None:
+        worker_id = place(db, self._settings, self._clock.now(), target_id)
         if worker_id is None:
             log.info("no live worker can take %s yet; its ops wait", target_id)
-            return
-        wake_worker(self._celery, worker_id)
+        return worker_id
+
+    def wake(self, worker_id: str | None = None) -> None:
+        if worker_id is not None:
+            wake_worker(self._celery, worker_id)
 
 
 def wake_worker(celery: Celery, worker_id: str) -> None:

@@ -133,7 +133,8 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
             payload=payload,
             payload_codec=codec,
         )
-    state.dispatcher.wake(sampler.id)
+        worker = state.dispatcher.assign(db, sampler.id)
+    state.dispatcher.wake(worker)
     return UntypedAPIFuture(
         request_id=submitted.request_id,
         sample_sequence_ids=[f"{submitted.request_id}:{i}" for i in range(body.num_samples)],

@@ -55,7 +55,7 @@ def create_model(
         )
     lora = body.lora_config.model_dump() if body.lora_config else {"rank": 32}
     with state.database.transaction() as db:
-        run, submitted = open_run(
+        run, submitted, worker = open_run(
             db,
             state,
             principal,
@@ -67,7 +67,7 @@ def create_model(
             kind=OpKind.CREATE_MODEL,
             payload={"base_model": body.base_model, "lora_config": lora},
         )
-    state.dispatcher.wake(run.id)
+    state.dispatcher.wake(worker)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
 
 
@@ -175,7 +175,8 @@ def _submit_forward_backward(
             payload=payload,
             payload_codec=codec,
         )
-    state.dispatcher.wake(run.id)
+        worker = state.dispatcher.assign(db, run.id)
+    state.dispatcher.wake(worker)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=decoded.model_id)
 
 

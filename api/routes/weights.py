@@ -202,7 +202,7 @@ def load_weights(
         if body.base_model is not None and body.base_model != base_model:
             raise InvalidInput(f"{body.path} was trained on {base_model}, not {body.base_model}")
         check_base_model(state, base_model)
-        run, submitted = open_run(
+        run, submitted, worker = open_run(
             db,
             state,
             principal,
@@ -214,5 +214,5 @@ def load_weights(
             kind=OpKind.LOAD_WEIGHTS,
             payload=_load_payload(version, base_model, body),
         )
-    state.dispatcher.wake(run.id)
+    state.dispatcher.wake(worker)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)

@@ -75,7 +75,7 @@ def _stored_optim_step(client: TestClient, run_id: str, seq_id: int, adam: dict[
             payload=payload,
             payload_codec=codec,
         )
-    state.dispatcher.wake(run_id)
+    state.dispatcher.wake()
     return submitted.request_id
 
 

@@ -325,7 +325,10 @@ class Parked:
     def stop(self) -> None:
         pass
 
-    def wake(self, target_id: str | None = None) -> None:
+    def assign(self, db: object, target_id: str) -> str | None:
+        return None
+
+    def wake(self, worker_id: str | None = None) -> None:
         pass
 
     def wait_ready(self, timeout: float) -> bool:
