@@ -13,13 +13,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 KEY_RE = re.compile(r"tml-[0-9a-f]{12}-[A-Za-z0-9_-]{32,}")
 
 
+class Server(NamedTuple):
+    url: str
+    key: str
+    pid: int
+
+
 @contextlib.contextmanager
-def embedded_server(port: int, *, threads: int, models: list[str]) -> Iterator[tuple[str, str]]:
-    """Yields (base_url, api_key) of a fresh `treadle-server serve` on 127.0.0.1:port."""
+def embedded_server(port: int, *, threads: int, models: list[str]) -> Iterator[Server]:
+    """A fresh `treadle-server serve` on 127.0.0.1:port: its URL, API key and process id."""
     data = tempfile.mkdtemp(prefix="treadle-bench-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
     env.update(TREADLE_DATA_DIR=data, TREADLE_TORCH_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
@@ -39,7 +46,7 @@ def embedded_server(port: int, *, threads: int, models: list[str]) -> Iterator[t
     # Keep reading the server's output: a full pipe would block its logging, and the server.
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     try:
-        yield f"http://127.0.0.1:{port}", match.group(0)
+        yield Server(f"http://127.0.0.1:{port}", match.group(0), proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -2,7 +2,8 @@
 
 Prints one JSON object:
 - `tiny_op_rtt_ms`: p50/p90 of an optim_step on a 1M model through API → Redis → worker → back
-  (goal p50 ≤ 15 ms);
+  (goal p50 ≤ 15 ms), beside `floor_rtt_ms` (a bare HTTP round trip to the same API in the same
+  run) and `api_cpu_ms_per_op` (the API process's CPU time per tiny op);
 - `sft_tokens_per_s` for distributed and embedded mode and their `ratio` (goal ≥ 0.9), the
   same tinker-SDK loop (forward_backward + optim_step back to back);
 - `failover_s`: from kill -9 of the worker holding a run to the completion of that run's next
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._latency import tiny_op_latency
 from bench._server import embedded_server
 
 
@@ -51,22 +52,6 @@ def sft_tps(base_url: str, key: str, model: str, rows: list[list[int]], steps: i
     elapsed = time.perf_counter() - start
     client.close("success").result(timeout=60)
     return sum(len(r) - 1 for r in rows) * steps / elapsed
-
-
-def tiny_rtts(base_url: str, key: str, n: int = 60) -> list[float]:
-    import tinker
-    from tinker import types
-
-    client = tinker.ServiceClient(base_url=base_url, api_key=key)
-    trainer = client.create_lora_training_client(base_model="treadle/tiny-1m", rank=1).result()
-    trainer.optim_step(types.AdamParams()).result()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        trainer.optim_step(types.AdamParams()).result()
-        out.append((time.perf_counter() - t0) * 1000)
-    client.close("success").result(timeout=60)
-    return out
 
 
 def failover(group: object, database: object, base_url: str, key: str) -> float:
@@ -106,14 +91,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tiny-ops", type=int, default=200, help="round trips measured")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     os.environ["HOME"] = tempfile.mkdtemp()
     rows = _rows(args.batch, args.seq)
     result: dict[str, object] = {"benchmark": "distributed", "model": args.model, "batch": f"{args.batch}x{args.seq}"}
 
-    with embedded_server(free_port(), threads=1, models=[args.model, "treadle/tiny-1m"]) as (url, key):
-        embedded_tps = sft_tps(url, key, args.model, rows, args.steps)
+    with embedded_server(free_port(), threads=1, models=[args.model, "treadle/tiny-1m"]) as server:
+        embedded_tps = sft_tps(server.url, server.key, args.model, rows, args.steps)
     with services.postgres_server() as pg, services.throwaway_database(pg) as db_url, \
             services.redis_server() as redis_url, \
             cluster(Path(tempfile.mkdtemp()), db_url, redis_url, worker_lease_seconds="10",
@@ -126,11 +112,10 @@ def main() -> None:
         key = tenant_factory(database, Settings(database_url=db_url, server_secret=SECRET))(
             max_concurrent_sessions=10).key
         distributed_tps = sft_tps(api_url, key, args.model, rows, args.steps)
-        rtts = tiny_rtts(api_url, key)
+        latency = tiny_op_latency(api_url, key, group.apis["a1"].pid, args.tiny_ops)
         failover_s = failover(group, database, api_url, key)
     result.update({
-        "tiny_op_rtt_ms": {"p50": round(statistics.median(rtts), 2),
-                           "p90": round(statistics.quantiles(rtts, n=10)[-1], 2)},
+        **latency,
         "sft_tokens_per_s": {"distributed": round(distributed_tps, 1), "embedded": round(embedded_tps, 1)},
         "ratio": round(distributed_tps / embedded_tps, 3),
         "failover_s": round(failover_s, 1),

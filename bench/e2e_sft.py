@@ -8,7 +8,9 @@ Prints one JSON object:
 - `treadle_sdk_tokens_per_s`: the same loop with Treadle's own client, and its ratio to the
   tinker SDK's (goal ≥ 1);
 - `tiny_op_rtt_ms`: p50/p90 round trip of a tiny op (optim_step on a 1M model) through the
-  SDK — submit, long-poll, result (goal p50 ≤ 5 ms).
+  SDK — submit, long-poll, result (goal p50 ≤ 5 ms) — beside `floor_rtt_ms`, a bare HTTP round
+  trip to the same server in the same run, and `api_cpu_ms_per_op`, the server process's CPU
+  time per tiny op (embedded mode: the API and the engine thread together).
 
 Run: `python bench/e2e_sft.py [--model treadle/tiny-10m] [--batch 8] [--seq 256] [--steps 8]`.
 """
@@ -18,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._latency import tiny_op_latency
 from bench._server import embedded_server
 
 
@@ -53,7 +55,7 @@ def inprocess(model: str, rows: list[list[int]], steps: int, threads: int) -> fl
     return tokens * steps / (time.perf_counter() - start)
 
 
-def through_sdk(base_url: str, key: str, model: str, rows: list[list[int]], steps: int) -> tuple[float, list[float]]:
+def through_sdk(base_url: str, key: str, model: str, rows: list[list[int]], steps: int) -> float:
     import tinker
     from tinker import types
 
@@ -72,16 +74,8 @@ def through_sdk(base_url: str, key: str, model: str, rows: list[list[int]], step
     for future in pending:
         future.result()
     throughput = tokens * steps / (time.perf_counter() - start)
-
-    tiny = client.create_lora_training_client(base_model="treadle/tiny-1m", rank=1).result()
-    tiny.optim_step(types.AdamParams()).result()
-    rtts = []
-    for _ in range(60):
-        t0 = time.perf_counter()
-        tiny.optim_step(types.AdamParams()).result()
-        rtts.append((time.perf_counter() - t0) * 1000)
     client.close("success").result(timeout=60)
-    return throughput, rtts
+    return throughput
 
 
 def through_treadle(base_url: str, key: str, model: str, rows: list[list[int]], steps: int) -> float:
@@ -114,17 +108,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--tiny-ops", type=int, default=200, help="round trips measured")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     rows = _batch(args.batch, args.seq)
 
     from tests.services import free_port
 
-    with embedded_server(args.port or free_port(), threads=args.threads, models=[args.model, "treadle/tiny-1m"]) as (url, key):
-        sdk_tps, rtts = through_sdk(url, key, args.model, rows, args.steps)
-        treadle_tps = through_treadle(url, key, args.model, rows, args.steps)
+    with embedded_server(args.port or free_port(), threads=args.threads, models=[args.model, "treadle/tiny-1m"]) as server:
+        sdk_tps = through_sdk(server.url, server.key, args.model, rows, args.steps)
+        treadle_tps = through_treadle(server.url, server.key, args.model, rows, args.steps)
+        latency = tiny_op_latency(server.url, server.key, server.pid, args.tiny_ops)
     local_tps = inprocess(args.model, rows, args.steps, args.threads)
-    quantiles = statistics.quantiles(rtts, n=10)
     print(json.dumps({
         "benchmark": "e2e_sft",
         "model": args.model,
@@ -136,7 +131,7 @@ def main() -> None:
         "ratio": round(sdk_tps / local_tps, 3),
         "treadle_sdk_tokens_per_s": round(treadle_tps, 1),
         "treadle_vs_tinker_sdk": round(treadle_tps / sdk_tps, 3),
-        "tiny_op_rtt_ms": {"p50": round(statistics.median(rtts), 2), "p90": round(quantiles[-1], 2)},
+        **latency,
     }, indent=2))
 
 
