@@ -1,0 +1,174 @@
+"""Placement, called directly on each database: which live worker holds a run or a sampler.
+
+A target goes to the least-loaded live worker serving its base model (aliases resolved), keeps
+a live holder, moves when its holder dies, and waits (None) while no worker can take it. A
+nameless sampler of a training run goes where the run is while that worker lives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from core.settings import Settings
+from core.tables import SamplingSession, TrainingRun
+from scheduler.beat import reap_dead_workers
+from scheduler.dispatch import CeleryDispatcher, EmbeddedDispatcher
+from scheduler.placement import choose_worker, live_workers, place
+from tests.scheduling import MODEL, Rows, migrated, settings_for
+
+pytestmark = pytest.mark.integration
+
+OTHER = "other/model"
+ALIAS = "Qwen/Qwen3-8B"
+LEASE = 15.0
+
+
+@pytest.fixture
+def rows(database_url: str) -> Rows:
+    return Rows(migrated(database_url))
+
+
+@pytest.fixture
+def settings(tmp_path: Path, database_url: str) -> Settings:
+    return settings_for(tmp_path, database_url, model_aliases={ALIAS: MODEL})
+
+
+def _place(rows: Rows, settings: Settings, target_id: str) -> str | None:
+    with rows.database.transaction() as db:
+        return place(db, settings, rows.clock.now(), target_id)
+
+
+def _holder(rows: Rows, target_id: str) -> str | None:
+    with rows.database.reader() as db:
+        run = db.get(TrainingRun, target_id)
+        if run is not None:
+            return run.worker_id
+        sampler = db.get(SamplingSession, target_id)
+        assert sampler is not None
+        return sampler.worker_id
+
+
+def test_runs_go_to_the_least_loaded_live_worker_serving_their_model(
+    rows: Rows, settings: Settings
+) -> None:
+    tenant = rows.tenant()
+    rows.worker("w-0", [OTHER])  # first by id and idle, but serves another model
+    rows.worker("w-a", [MODEL])
+    first = rows.run(tenant)
+    assert _place(rows, settings, first) == "w-a"
+    rows.worker("w-b", [OTHER, MODEL])
+    placed = [_place(rows, settings, rows.run(tenant)) for _ in range(3)]
+    # w-b is empty, then both hold one (the tie goes to the first id), then w-b holds fewer.
+    assert placed == ["w-b", "w-a", "w-b"]
+    assert _holder(rows, first) == "w-a"  # placement is stored on the run
+
+
+def test_an_alias_is_placed_on_a_worker_serving_the_model_it_names(
+    rows: Rows, settings: Settings
+) -> None:
+    rows.worker("w-a", [OTHER])
+    rows.worker("w-b", [MODEL])
+    run = rows.run(rows.tenant(), base_model=ALIAS)
+    assert _place(rows, settings, run) == "w-b"
+    with rows.database.reader() as db:
+        assert choose_worker(db, settings, rows.clock.now(), ALIAS) == "w-b"
+        assert choose_worker(db, settings, rows.clock.now(), MODEL) == "w-b"
+
+
+def test_dead_and_lapsed_workers_are_skipped(rows: Rows, settings: Settings) -> None:
+    rows.worker("w-a", [MODEL], status="dead")
+    rows.worker("w-b", [MODEL], lease_seconds=-1)
+    rows.worker("w-c", [MODEL], lease_seconds=0)  # a lease ends at its expiry time
+    rows.worker("w-d", [MODEL])
+    with rows.database.reader() as db:
+        assert [w.id for w in live_workers(db, rows.clock.now())] == ["w-d"]
+    assert _place(rows, settings, rows.run(rows.tenant())) == "w-d"
+
+
+def test_a_run_keeps_a_live_holder_however_loaded(rows: Rows, settings: Settings) -> None:
+    tenant = rows.tenant()
+    rows.worker("w-a", [MODEL])
+    held = rows.run(tenant)
+    assert _place(rows, settings, held) == "w-a"
+    assert _place(rows, settings, rows.run(tenant)) == "w-a"
+    rows.worker("w-b", [MODEL])  # idle, while w-a holds two runs
+    assert _place(rows, settings, held) == "w-a"
+    assert _holder(rows, held) == "w-a"
+
+
+def test_a_run_whose_holder_lapsed_or_died_is_placed_again(rows: Rows, settings: Settings) -> None:
+    tenant = rows.tenant()
+    rows.worker("w-a", [MODEL])
+    lapsed, reaped = rows.run(tenant), rows.run(tenant)
+    assert [_place(rows, settings, run) for run in (lapsed, reaped)] == ["w-a", "w-a"]
+    rows.clock.advance(LEASE + 1)  # w-a stops renewing its lease
+    rows.worker("w-b", [MODEL])
+    # Before the beat reaps w-a, placement already sees its lease lapsed.
+    assert _place(rows, settings, lapsed) == "w-b"
+    assert reap_dead_workers(rows.database, rows.clock) == ["w-a"]
+    assert _holder(rows, reaped) is None  # the reaper unpins it
+    assert _place(rows, settings, reaped) == "w-b"
+
+
+def test_nothing_is_placed_while_no_live_worker_serves_the_model(
+    rows: Rows, settings: Settings
+) -> None:
+    tenant = rows.tenant()
+    run, sampler = rows.run(tenant), rows.sampler(tenant)
+    assert _place(rows, settings, run) is None  # no workers at all
+    rows.worker("w-a", [OTHER])
+    rows.worker("w-b", [MODEL], status="dead")
+    assert _place(rows, settings, run) is None
+    assert _place(rows, settings, sampler) is None
+    assert _holder(rows, run) is None and _holder(rows, sampler) is None
+    assert _place(rows, settings, "no-such-target") is None
+    rows.worker("w-c", [MODEL])
+    assert _place(rows, settings, run) == "w-c"  # it waited, and now goes
+
+
+def test_a_nameless_sampler_goes_where_its_training_run_is_while_that_worker_lives(
+    rows: Rows, settings: Settings
+) -> None:
+    tenant = rows.tenant()
+    rows.worker("w-a", [MODEL])
+    run = rows.run(tenant)
+    assert [_place(rows, settings, r) for r in (run, rows.run(tenant))] == ["w-a", "w-a"]
+    rows.worker("w-b", [MODEL])  # the least loaded from here on
+    with_run = rows.sampler(tenant, training_run_id=run)
+    plain = rows.sampler(tenant)
+    assert _place(rows, settings, with_run) == "w-a"
+    assert _place(rows, settings, plain) == "w-b"
+
+    rows.clock.advance(LEASE + 1)
+    rows.worker("w-c", [MODEL])  # w-a and w-b lapse; w-c is the only live worker
+    late = rows.sampler(tenant, training_run_id=run, seq=1)
+    # The run's worker is gone: its samplers go to a live one, the run's own placement aside.
+    assert _place(rows, settings, late) == "w-c"
+    assert _place(rows, settings, with_run) == "w-c"
+    assert _holder(rows, run) == "w-a"  # only the run's own next op moves it
+
+
+def test_assign_places_inside_the_submitting_transaction(
+    rows: Rows, tmp_path: Path, database_url: str
+) -> None:
+    """The distributed dispatcher places through `place`, in the caller's transaction: the
+    placement commits with the submission, or not at all. The embedded one places nothing."""
+    settings = settings_for(tmp_path, database_url, redis_url="redis://127.0.0.1:1")
+    dispatcher = CeleryDispatcher(settings, rows.clock)  # connects only to send a wake-up
+    tenant = rows.tenant()
+    rows.worker("w-a", [MODEL])
+    run = rows.run(tenant)
+    with pytest.raises(RuntimeError), rows.database.transaction() as db:
+        assert dispatcher.assign(db, run) == "w-a"
+        raise RuntimeError("the submission failed")
+    assert _holder(rows, run) is None
+    with rows.database.transaction() as db:
+        assert dispatcher.assign(db, run) == "w-a"
+        assert EmbeddedDispatcher(lambda: pytest.fail("never built")).assign(db, run) is None
+    assert _holder(rows, run) == "w-a"
+    with rows.database.reader() as db:
+        holders = db.scalars(select(TrainingRun.worker_id).where(TrainingRun.tenant_id == tenant))
+        assert list(holders) == ["w-a"]
