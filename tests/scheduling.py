@@ -25,7 +25,7 @@ from core.settings import Settings
 from core.tables import Operation, SamplingSession, TrainingRun, Worker
 from scheduler.notify import InProcessNotifier
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload
-from scheduler.submit import Submitted, submit, submit_training_op
+from scheduler.submit import DONE, QUEUED, RUNNING, Submitted, submit, submit_training_op
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
 from treadle.wire import encode_forward_backward_request
 
@@ -223,6 +223,23 @@ class Rows:
                 payload=payload,
                 payload_codec=codec,
             ).request_id
+
+    def executed(self, run_id: str, seq_id: int) -> None:
+        """Record the run's ops up to `seq_id` done and the run advanced past them, as the
+        worker host records results (its `_store` needs an engine); seq_ids that never arrived
+        count as released gaps."""
+        with self.database.transaction() as db:
+            run = db.get(TrainingRun, run_id)
+            assert run is not None
+            for op in db.scalars(
+                select(Operation).where(
+                    Operation.target_id == run_id,
+                    Operation.seq_id <= seq_id,
+                    Operation.status.in_((QUEUED, RUNNING)),
+                )
+            ):
+                op.status, op.finished_at = DONE, self.clock.now()
+            run.executed_seq_id = max(run.executed_seq_id, seq_id)
 
     def op(self, request_id: str) -> Operation:
         with self.database.reader() as db:
