@@ -6,13 +6,16 @@ user error that leaves everything as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from core.errors import InvalidInput
 from gpu_worker import protocol as ep
+from treadle.proto import treadle_wire_pb2 as pb
 from treadle.types import (
     AdamParams,
     Datum,
@@ -21,9 +24,8 @@ from treadle.types import (
     SampledSequence,
     SampleRequest,
     SampleResponse,
-    TensorData,
 )
-from treadle.wire import encode_forward_backward_output, encode_sample_response
+from treadle.wire import encode_sample_response
 
 # A CSR tensor may describe far more entries than it sends; densified, every request stays
 # within this many entries (a 64 MiB dense float32 body holds 16M).
@@ -67,32 +69,45 @@ def check_shapes(request: ForwardBackwardRequest) -> None:
     Each loss input is `(N,)` or `(N, K)` with N the datum's token count and 1 ≤ K ≤ MAX_TOP_K,
     except that a clip threshold may also be one value for the datum (`()` or `(1,)`);
     CSR tensors are checked for consistency when they are parsed, and together no request may
-    expand to more than MAX_DENSE_ENTRIES entries.
+    expand to more than MAX_DENSE_ENTRIES entries. `scheduler.fb_proto.check_shapes` checks
+    the same on a protobuf message.
     """
     entries = 0
     for i, datum in enumerate(request.data):
         n = len(_tokens(datum.model_input, f"data[{i}].model_input"))
-        for name, tensor in datum.loss_fn_inputs.items():
-            where = f"data[{i}].loss_fn_inputs[{name!r}]"
-            shape = tensor.dense_shape
-            if name in PER_DATUM_INPUTS and list(shape) in ([], [1]):
-                entries += 1
-                continue
-            if len(shape) not in (1, 2) or shape[0] != n:
-                allowed = (
-                    "a clip threshold must be one value (1,) or one per token (N,)"
-                    if name in PER_DATUM_INPUTS
-                    else "loss inputs must be (N,) or (N, K), one row per input token"
-                )
-                raise ep.UserInputError(
-                    f"{where} has shape {_short(shape)} but the datum has N={n} tokens; {allowed}"
-                )
-            if len(shape) == 2 and not 1 <= shape[1] <= MAX_TOP_K:
-                raise ep.UserInputError(
-                    f"{where} has shape {_short(shape)}; the second dimension (top-K width) "
-                    f"must lie in [1, {MAX_TOP_K}]"
-                )
-            entries += math.prod(shape)
+        entries += check_datum_shapes(
+            i, n, ((name, tensor.dense_shape) for name, tensor in datum.loss_fn_inputs.items())
+        )
+    check_total_entries(entries)
+
+
+def check_datum_shapes(i: int, n: int, shapes: Iterable[tuple[str, list[int]]]) -> int:
+    """Check datum i's loss-input shapes against its N=n tokens; returns their dense entries."""
+    entries = 0
+    for name, shape in shapes:
+        where = f"data[{i}].loss_fn_inputs[{name!r}]"
+        if name in PER_DATUM_INPUTS and list(shape) in ([], [1]):
+            entries += 1
+            continue
+        if len(shape) not in (1, 2) or shape[0] != n:
+            allowed = (
+                "a clip threshold must be one value (1,) or one per token (N,)"
+                if name in PER_DATUM_INPUTS
+                else "loss inputs must be (N,) or (N, K), one row per input token"
+            )
+            raise ep.UserInputError(
+                f"{where} has shape {_short(shape)} but the datum has N={n} tokens; {allowed}"
+            )
+        if len(shape) == 2 and not 1 <= shape[1] <= MAX_TOP_K:
+            raise ep.UserInputError(
+                f"{where} has shape {_short(shape)}; the second dimension (top-K width) "
+                f"must lie in [1, {MAX_TOP_K}]"
+            )
+        entries += math.prod(shape)
+    return entries
+
+
+def check_total_entries(entries: int) -> None:
     if entries > MAX_DENSE_ENTRIES:
         raise ep.UserInputError(
             f"the loss inputs of this request hold {entries} entries in all, more than this "
@@ -128,10 +143,15 @@ def _datum(datum: Datum, where: str) -> ep.Datum:
 
 
 def loss_config(request: ForwardBackwardRequest) -> dict[str, float] | None:
-    if not request.loss_fn_config:
+    return numeric_loss_config(request.loss_fn_config)
+
+
+def numeric_loss_config(config: dict[str, float | str] | None) -> dict[str, float] | None:
+    """The engine's loss_fn_config: numbers only (text names a client-side custom loss)."""
+    if not config:
         return None
     numbers: dict[str, float] = {}
-    for key, value in request.loss_fn_config.items():
+    for key, value in config.items():
         if isinstance(value, str):
             raise ep.UnsupportedInput(
                 f"loss_fn_config[{key!r}] is text ({value!r}); server-side custom losses are not "
@@ -155,18 +175,76 @@ def adam(params: AdamParams | None) -> ep.AdamParams:
 
 
 def forward_backward_output(result: ep.ForwardBackwardResult) -> bytes:
+    """The result's `ForwardBackwardOutput` protobuf, packed from the engine's arrays.
+
+    Byte for byte what `treadle.wire.encode_forward_backward_output` writes for the same
+    values as `TensorData.from_numpy` (float arrays travel as float32, integer and bool arrays
+    as int64), without a Python object per value.
+    """
+    # The wire type checks the metric keys, as it would for a whole output.
+    metrics = ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result.metrics)
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    msg.metrics.update(metrics.metrics)
     outputs = [
-        {
-            name: TensorData.from_numpy(np.ascontiguousarray(array))
-            for name, array in per_datum.items()
-        }
+        {name: _packed(array) for name, array in per_datum.items()}
         for per_datum in result.loss_fn_outputs
     ]
-    return encode_forward_backward_output(
-        ForwardBackwardOutput(
-            loss_fn_output_type="ArrayRecord", loss_fn_outputs=outputs, metrics=result.metrics
-        )
-    )
+    names = sorted(outputs[0]) if outputs else []
+    for i, fields in enumerate(outputs):
+        if sorted(fields) != names:
+            raise ValueError(
+                f"loss_fn_outputs[{i}] has fields {sorted(fields)} but loss_fn_outputs[0] has "
+                f"{names}; every datum must report the same fields"
+            )
+    # One record per run of consecutive datums sharing each field's dtype and trailing shape.
+    start = 0
+    while start < len(outputs):
+        layout = _layout(outputs[start])
+        end = start + 1
+        while end < len(outputs) and _layout(outputs[end]) == layout:
+            end += 1
+        _add_record(msg, outputs[start:end], names)
+        start = end
+    return msg.SerializeToString()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """One output tensor: its wire dtype, shape and little-endian values."""
+
+    dtype: int
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _packed(array: np.ndarray) -> _Packed:
+    kind = array.dtype.kind
+    if kind == "f":
+        dtype, wire = pb.DTYPE_FLOAT32, "<f4"
+    elif kind in ("i", "u", "b"):
+        dtype, wire = pb.DTYPE_INT64, "<i8"
+    else:
+        raise ValueError(f"cannot send a numpy array of dtype {array.dtype}; use ints or floats")
+    return _Packed(dtype, array.shape, np.ascontiguousarray(array, dtype=wire).tobytes())
+
+
+def _layout(fields: dict[str, _Packed]) -> list[tuple[str, int, tuple[int, ...]]]:
+    return [(name, t.dtype, t.shape[1:]) for name, t in sorted(fields.items())]
+
+
+def _add_record(
+    msg: pb.ForwardBackwardOutput, datums: list[dict[str, _Packed]], names: list[str]
+) -> None:
+    record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(datums))
+    for name in names:
+        parts = [d[name].data for d in datums]
+        offsets = np.zeros(len(parts) + 1, dtype="<i8")
+        np.cumsum([len(part) for part in parts], out=offsets[1:])
+        batched = record.fields[name]
+        batched.data = b"".join(parts)
+        batched.offsets = offsets.tobytes()
+        batched.dtype = datums[0][name].dtype
+        batched.trailing_shape.extend(datums[0][name].shape[1:])
 
 
 def sample_request(

@@ -25,7 +25,7 @@ from core.ids import sampling_session_id
 from core.objectstore import ArtifactStore
 from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from gpu_worker import protocol as ep
-from scheduler import convert
+from scheduler import convert, fb_proto
 from scheduler.failures import OpFailure, Refused
 from scheduler.ops import (
     JSON,
@@ -38,9 +38,9 @@ from scheduler.ops import (
 )
 from scheduler.submit import DONE, FAILED
 from scheduler.task import FailedForwardBackward, Task
+from treadle.proto import treadle_wire_pb2 as pb
 from treadle.types import (
     CreateModelResponse,
-    ForwardBackwardRequest,
     LoadWeightsResponse,
     OptimStepRequest,
     OptimStepResponse,
@@ -53,11 +53,7 @@ from treadle.types import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
-from treadle.wire import (
-    DEFAULT_MAX_BODY_BYTES,
-    WireFormatError,
-    decode_forward_backward_request,
-)
+from treadle.wire import DEFAULT_MAX_BODY_BYTES, WireFormatError
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -191,16 +187,16 @@ class Executor:
         refusal = refusal_of(task.payload, task.payload_codec)
         if refusal is not None:  # refused at submission; it fails in its place
             raise Refused(refusal)
-        request = self._forward_backward_request(task)
+        msg = self._forward_backward_request(task)
         return ep.ForwardBackwardOp(
             run_id=task.target_id,
-            data=convert.datums(request),
-            loss_fn=request.loss_fn,
-            loss_fn_config=convert.loss_config(request),
-            forward_only=request.forward_only,
+            data=fb_proto.datums(msg),
+            loss_fn=msg.loss_fn,
+            loss_fn_config=fb_proto.loss_config(msg),
+            forward_only=msg.forward_only,
         )
 
-    def _forward_backward_request(self, task: Task) -> ForwardBackwardRequest:
+    def _forward_backward_request(self, task: Task) -> pb.ForwardBackwardRequest:
         return _stored_forward_backward(task.payload, task.payload_codec, self.max_request_bytes)
 
     # --- sampling, batched across requests and adapters ---------------------------------
@@ -358,13 +354,10 @@ class Executor:
     def replay(self, task: Task) -> None:
         """Re-apply a recorded op's effect on the engine (recovery); its result is not kept."""
         if task.kind is OpKind.FORWARD_BACKWARD:
-            request = self._forward_backward_request(task)
-            if not request.forward_only:
+            msg = self._forward_backward_request(task)
+            if not msg.forward_only:
                 self.engine.forward_backward(
-                    task.target_id,
-                    convert.datums(request),
-                    request.loss_fn,
-                    convert.loss_config(request),
+                    task.target_id, fb_proto.datums(msg), msg.loss_fn, fb_proto.loss_config(msg)
                 )
         elif task.kind is OpKind.OPTIM_STEP:
             # Recovery replays the steps that succeeded and those that failed for the user's
@@ -429,7 +422,7 @@ class Executor:
         def apply(db: OrmSession) -> None:
             run = db.get(TrainingRun, task.target_id)
             if run is not None:
-                run.optim_steps += 1
+                runs.count_step(run)
 
         return Outcome.json(OptimStepResponse(metrics=result.metrics), apply=apply)
 
@@ -574,7 +567,7 @@ class Executor:
         def apply(db: OrmSession) -> None:
             run = db.get(TrainingRun, task.target_id)
             if run is not None:
-                run.status = runs.UNLOADED
+                runs.unload(run)
 
         return Outcome.json(UnloadModelResponse(model_id=task.target_id), apply=apply)
 
@@ -650,12 +643,11 @@ def failed_forward_backwards(
 
 def _stored_forward_backward(
     payload: bytes, codec: str, max_body_bytes: int
-) -> ForwardBackwardRequest:
+) -> pb.ForwardBackwardRequest:
     """A logged forward_backward: the protobuf body as sent, stored as `proto+<compression>`,
-    held to `max_body_bytes` while it is decompressed."""
-    return decode_forward_backward_request(
-        payload, content_encoding=codec.partition("+")[2], max_body_bytes=max_body_bytes
-    )
+    held to `max_body_bytes` while it is decompressed, its wire format checked again (the
+    body may have been logged before the API checked it)."""
+    return fb_proto.read(payload, codec.partition("+")[2], max_body_bytes)
 
 
 def _forward_only(payload: bytes, codec: str, max_body_bytes: int) -> bool:
@@ -673,6 +665,6 @@ def _activate(run_id: str) -> Callable[[OrmSession], None]:
     def apply(db: OrmSession) -> None:
         run = db.get(TrainingRun, run_id)
         if run is not None:
-            run.status = runs.ACTIVE
+            runs.activate(run)
 
     return apply

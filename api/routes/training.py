@@ -14,9 +14,12 @@ from api.validation import clip, describe
 from core import runs
 from core.errors import ErrorCode, InvalidInput, PayloadTooLarge
 from core.tables import TrainingRun
+from scheduler import fb_proto
 from scheduler.convert import check_request_shapes
+from scheduler.fb_proto import Submission
+from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload, refused
-from scheduler.submit import UNLOAD_SEQ, submit_training_op
+from scheduler.submit import submit_training_op
 from treadle.types import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -31,7 +34,6 @@ from treadle.wire import (
     PROTOBUF_CONTENT_TYPE,
     BodyTooLarge,
     WireFormatError,
-    decode_forward_backward_request,
     encode_forward_backward_request,
 )
 
@@ -93,30 +95,53 @@ def get_info(body: GetInfoRequest, principal: CurrentPrincipal, state: State) ->
 
 def _decode_forward_backward(
     body: bytes, content_type: str, content_encoding: str | None, max_bytes: int
-) -> tuple[ForwardBackwardRequest, bytes, str]:
-    """The decoded request, and the payload to store: the protobuf as sent, zstd-compressed.
+) -> tuple[Submission, bytes, str]:
+    """What queues the op, and the payload to store: the protobuf as sent (zstd-compressed
+    unless it came compressed), or the refusal of loss inputs that do not fit their datums.
 
-    A compressed body may expand to at most `max_bytes` (the request size limit), checked while
-    it is decompressed.
+    A protobuf body is parsed but its tensors are never unpacked here: the checks read byte
+    lengths and shapes. A compressed body may expand to at most `max_bytes` (the request size
+    limit), checked while it is decompressed.
     """
+    refusal: InvalidInput | None = None
     try:
         if "json" in content_type:
             request = ForwardBackwardRequest.model_validate_json(body)
-            return request, encode_forward_backward_request(request, compress=True), "proto+zstd"
-        request = decode_forward_backward_request(body, content_encoding, max_body_bytes=max_bytes)
+            submission = Submission(request.model_id, request.seq_id, request.forward_only)
+            payload = encode_forward_backward_request(request, compress=True)
+            try:
+                check_request_shapes(request)
+            except InvalidInput as exc:
+                refusal = exc
+            else:
+                return submission, payload, "proto+zstd"
+        else:
+            msg = fb_proto.read(body, content_encoding, max_bytes)
+            submission = fb_proto.submission(msg)
+            try:
+                fb_proto.check_request_shapes(msg)
+            except InvalidInput as exc:
+                refusal = exc
     except BodyTooLarge as exc:
         raise PayloadTooLarge(str(exc)) from exc
     except WireFormatError as exc:
         raise InvalidInput(str(exc)) from exc
-    except ValidationError as exc:  # pydantic validation of a JSON body
+    except ValidationError as exc:  # pydantic validation of a JSON body or a header field
         # Bounded like every validation error: a body of many bad datums lists a few of them.
         raise InvalidInput(describe(exc.errors(), "forward_backward request")[0]) from exc
     except ValueError as exc:
         raise InvalidInput(f"invalid forward_backward request: {clip(str(exc), 1000)}") from exc
+    if refusal is not None:
+        # Loss inputs the engine could not even lay out never reach it: the request keeps its
+        # place in the run's order and fails there, like any request refused on its content.
+        # forward_only is kept so that a refused forward pass never fails an optim_step.
+        return submission, *encode_json_payload(
+            {**refused(refusal.message, refusal.code), "forward_only": submission.forward_only}
+        )
     if content_encoding in ("zstd", "gzip"):
-        return request, body, f"proto+{content_encoding}"
+        return submission, body, f"proto+{content_encoding}"
     payload, codec = encode_proto_payload(body)
-    return request, payload, codec
+    return submission, payload, codec
 
 
 @router.post(
@@ -151,19 +176,10 @@ async def forward_backward(
 def _submit_forward_backward(
     state: State,
     principal: CurrentPrincipal,
-    decoded: ForwardBackwardRequest,
+    decoded: Submission,
     payload: bytes,
     codec: str,
 ) -> UntypedAPIFuture:
-    try:
-        check_request_shapes(decoded)
-    except InvalidInput as exc:
-        # Loss inputs the engine could not even lay out never reach it: the request keeps its
-        # place in the run's order and fails there, like any request refused on its content.
-        # forward_only is kept so that a refused forward pass never fails an optim_step.
-        payload, codec = encode_json_payload(
-            {**refused(exc.message, exc.code), "forward_only": decoded.forward_only}
-        )
     with state.database.transaction() as db:
         run = active_run(db, state, principal, decoded.model_id)
         submitted = submit_training_op(

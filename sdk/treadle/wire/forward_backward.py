@@ -69,6 +69,33 @@ def decode_forward_backward_request(
         WireFormatError: the body is compressed wrongly, is not a ForwardBackwardRequest, or
             holds a malformed datum; the message names the offending part.
     """
+    msg = parse_forward_backward_request(body, content_encoding, max_body_bytes=max_body_bytes)
+    data = [_datum_from_proto(d, f"data[{i}]") for i, d in enumerate(msg.data)]
+    return ForwardBackwardRequest(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        data=data,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=loss_config_from_proto(msg),
+        forward_only=msg.forward_only,
+    )
+
+
+def parse_forward_backward_request(
+    body: bytes,
+    content_encoding: str | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> pb.ForwardBackwardRequest:
+    """The body's protobuf message, its datums left as sent (no per-value Python objects).
+
+    A server that reads tensors with numpy starts here; `decode_forward_backward_request`
+    goes on to build `treadle.types`.
+
+    Raises:
+        WireFormatError: the body is compressed wrongly, is JSON, is not a protobuf message,
+            or has no model_id.
+    """
     raw = decompress_body(body, content_encoding, max_body_bytes)
     if raw.lstrip()[:1] in (b"{", b"["):
         raise WireFormatError(f"forward_backward does not take JSON; {_SEND_PROTOBUF}")
@@ -81,15 +108,7 @@ def decode_forward_backward_request(
         ) from exc
     if not msg.model_id:
         raise WireFormatError(f"ForwardBackwardRequest has no model_id; {_SEND_PROTOBUF}")
-    data = [_datum_from_proto(d, f"data[{i}]") for i, d in enumerate(msg.data)]
-    return ForwardBackwardRequest(
-        model_id=msg.model_id,
-        seq_id=msg.seq_id,
-        data=data,
-        loss_fn=msg.loss_fn,
-        loss_fn_config=_loss_config_from_proto(msg),
-        forward_only=msg.forward_only,
-    )
+    return msg
 
 
 def encode_forward_backward_request(
@@ -119,7 +138,8 @@ def encode_forward_backward_request(
     return zstandard.ZstdCompressor().compress(body) if compress else body
 
 
-def _loss_config_from_proto(msg: pb.ForwardBackwardRequest) -> dict[str, float | str] | None:
+def loss_config_from_proto(msg: pb.ForwardBackwardRequest) -> dict[str, float | str] | None:
+    """The request's loss_fn_config: the legacy numeric map overlaid by v2 (v2 wins)."""
     config: dict[str, float | str] = dict(msg.loss_fn_config.items())
     for key, value in msg.loss_fn_config_v2.items():
         which = value.WhichOneof("value")
@@ -136,7 +156,7 @@ def _loss_config_from_proto(msg: pb.ForwardBackwardRequest) -> dict[str, float |
 
 def _datum_from_proto(msg: pb.Datum, where: str) -> Datum:
     chunks = [
-        _chunk_from_proto(c, f"{where}.model_input[{j}]") for j, c in enumerate(msg.model_input)
+        chunk_from_proto(c, f"{where}.model_input[{j}]") for j, c in enumerate(msg.model_input)
     ]
     inputs = {
         name: tensor_from_proto(tensor, f"{where}.loss_fn_inputs[{name!r}]")
@@ -146,14 +166,16 @@ def _datum_from_proto(msg: pb.Datum, where: str) -> Datum:
         return Datum(
             model_input=ModelInput(chunks=chunks),
             loss_fn_inputs=inputs,
-            model_input_spans=_spans_from_proto(msg.model_input_spans),
-            loss_fn_input_spans=_spans_from_proto(msg.loss_fn_input_spans),
+            model_input_spans=spans_from_proto(msg.model_input_spans),
+            loss_fn_input_spans=spans_from_proto(msg.loss_fn_input_spans),
         )
     except ValidationError as exc:
         raise WireFormatError(f"{where}: {first_error(exc)}") from exc
 
 
-def _chunk_from_proto(msg: pb.Chunk, where: str) -> ModelInputChunk:
+def chunk_from_proto(msg: pb.Chunk, where: str) -> ModelInputChunk:
+    """One model-input chunk as `treadle.types` (token chunks become lists: read those from
+    their bytes where that matters)."""
     which = msg.WhichOneof("chunk")
     if which == "encoded_text":
         return EncodedTextChunk(tokens=unpack(msg.encoded_text.tokens, INT32, f"{where} tokens"))
@@ -173,9 +195,10 @@ def _chunk_from_proto(msg: pb.Chunk, where: str) -> ModelInputChunk:
     raise WireFormatError(f"{where} is an empty chunk; set encoded_text, image or dmel")
 
 
-def _spans_from_proto(
+def spans_from_proto(
     spans: Any,
 ) -> list[PromptProvenanceSpan | SampledProvenanceSpan] | None:
+    """A datum's provenance spans; raises pydantic's ValidationError for a span out of bounds."""
     if not spans:
         return None
     out: list[PromptProvenanceSpan | SampledProvenanceSpan] = []
