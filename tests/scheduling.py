@@ -52,11 +52,11 @@ def migrated(database_url: str) -> Database:
     return database
 
 
-def forward_backward_payload(
+def forward_backward_request(
     run_id: str, seq_id: int, tokens: list[int], *, forward_only: bool = False
-) -> tuple[bytes, str]:
-    """A cross-entropy forward_backward over `tokens`, stored as the API stores it."""
-    request = ForwardBackwardRequest(
+) -> ForwardBackwardRequest:
+    """A cross-entropy forward_backward predicting each next token of `tokens`."""
+    return ForwardBackwardRequest(
         model_id=run_id,
         seq_id=seq_id,
         loss_fn="cross_entropy",
@@ -71,6 +71,13 @@ def forward_backward_payload(
             )
         ],
     )
+
+
+def forward_backward_payload(
+    run_id: str, seq_id: int, tokens: list[int], *, forward_only: bool = False
+) -> tuple[bytes, str]:
+    """The same request, stored as the API stores a protobuf body."""
+    request = forward_backward_request(run_id, seq_id, tokens, forward_only=forward_only)
     return encode_proto_payload(encode_forward_backward_request(request))
 
 

@@ -1,0 +1,151 @@
+"""Restoring a training run onto an engine that does not hold it, called directly on each
+database: the latest snapshot, then exactly the ops executed after it, to the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from scheduler import convert
+from scheduler.execute import Executor
+from scheduler.ops import OpKind
+from scheduler.recovery import RestoreImpossible, restore_run
+from scheduler.task import Task
+from tests.scheduling import (
+    MODEL,
+    Rows,
+    forward_backward_payload,
+    forward_backward_request,
+    migrated,
+    settings_for,
+    worker_host,
+)
+
+if TYPE_CHECKING:
+    from gpu_worker.engine import Engine
+    from scheduler.worker_host import WorkerHost
+
+pytestmark = pytest.mark.integration
+
+TOKENS = [(5 * i) % 300 + 10 for i in range(21)]
+STEPS = 3
+
+
+def _engine(root: Path) -> Engine:
+    from scheduler.worker_host import build_engine
+
+    return build_engine(settings_for(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """The engine the runs were trained on."""
+    return _engine(tmp_path_factory.mktemp("engine"))
+
+
+@pytest.fixture
+def rows(database_url: str) -> Rows:
+    return Rows(migrated(database_url))
+
+
+@pytest.fixture
+def replayed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[OpKind, int | None]]:
+    """(kind, seq_id) of each op recovery replays, in order; replay itself runs unchanged."""
+    seen: list[tuple[OpKind, int | None]] = []
+    original = Executor.replay
+
+    def replay(self: Executor, task: Task) -> None:
+        seen.append((task.kind, task.seq_id))
+        original(self, task)
+
+    monkeypatch.setattr(Executor, "replay", replay)
+    return seen
+
+
+def _trained(rows: Rows, host: WorkerHost) -> str:
+    """A run trained STEPS steps (forward_backward, optim_step) on the host; its seq 7 queued."""
+    run = rows.run(rows.tenant(), rank=4, seed=3)
+    for step in range(STEPS):
+        fb, optim = 2 * step + 1, 2 * step + 2
+        rows.training_op(
+            run, fb, OpKind.FORWARD_BACKWARD, forward_backward_payload(run, fb, TOKENS)
+        )
+        rows.training_op(run, optim)
+        rows.clock.advance(1)
+    assert host.drain() == 1 + 2 * STEPS
+    assert {op.status for op in rows.ops(run)} == {"done"}
+    # Queued, never executed: not part of the run's state, so never replayed.
+    rows.training_op(run, 2 * STEPS + 1)
+    return run
+
+
+def _loss(engine: Engine, run_id: str) -> float:
+    request = forward_backward_request(run_id, 0, TOKENS, forward_only=True)
+    return engine.forward(run_id, convert.datums(request)).metrics["loss:sum"]
+
+
+def _restore(rows: Rows, host: WorkerHost, tmp_path: Path, run_id: str) -> Engine:
+    """The run restored onto a fresh engine, as a worker that does not hold it restores it."""
+    fresh = _engine(tmp_path / "fresh")
+    assert run_id not in fresh.run_ids()
+    executor = Executor(fresh, host.store, rows.database, rows.clock)
+    assert restore_run(fresh, host.store, rows.database, executor, run_id) >= 1
+    return fresh
+
+
+def test_a_run_restored_from_its_snapshot_replays_exactly_the_ops_after_it(
+    rows: Rows,
+    engine: Engine,
+    tmp_path: Path,
+    replayed: list[tuple[OpKind, int | None]],
+) -> None:
+    host = worker_host(rows.database, rows.clock, engine, tmp_path / "art", snapshot_every_steps=2)
+    host.register([MODEL], host.store)
+    run = _trained(rows, host)
+    saved = rows.training_run(run)
+    assert (saved.snapshot_seq_id, saved.executed_seq_id) == (4, 2 * STEPS)
+    replayed.clear()
+    fresh = _restore(rows, host, tmp_path, run)
+    assert replayed == [(OpKind.FORWARD_BACKWARD, 5), (OpKind.OPTIM_STEP, 6)]
+    assert _loss(fresh, run) == pytest.approx(_loss(engine, run), rel=1e-6)
+    # The replayed step matters: the snapshot alone holds the weights of two steps, not three.
+    snapshot_only = _engine(tmp_path / "snapshot-only")
+    assert saved.snapshot_uri is not None
+    snapshot_only.load_state(run, host.store.open_dir(saved.snapshot_uri), include_optimizer=True)
+    assert _loss(snapshot_only, run) != pytest.approx(_loss(engine, run), rel=1e-6)
+
+
+def test_a_run_without_a_snapshot_replays_from_its_creation(
+    rows: Rows,
+    engine: Engine,
+    tmp_path: Path,
+    replayed: list[tuple[OpKind, int | None]],
+) -> None:
+    host = worker_host(
+        rows.database, rows.clock, engine, tmp_path / "art", snapshot_every_steps=1000
+    )
+    host.register([MODEL], host.store)
+    run = _trained(rows, host)
+    assert rows.training_run(run).snapshot_uri is None
+    replayed.clear()
+    fresh = _restore(rows, host, tmp_path, run)
+    kinds = [OpKind.CREATE_MODEL] + [OpKind.FORWARD_BACKWARD, OpKind.OPTIM_STEP] * STEPS
+    assert replayed == list(zip(kinds, range(2 * STEPS + 1), strict=True))
+    assert _loss(fresh, run) == pytest.approx(_loss(engine, run), rel=1e-6)
+
+
+def test_a_missing_snapshot_makes_the_run_unrestorable(
+    rows: Rows, engine: Engine, tmp_path: Path
+) -> None:
+    host = worker_host(rows.database, rows.clock, engine, tmp_path / "art", snapshot_every_steps=2)
+    host.register([MODEL], host.store)
+    run = _trained(rows, host)
+    snapshot = rows.training_run(run).snapshot_uri
+    assert snapshot is not None
+    host.store.delete(snapshot)
+    fresh = _engine(tmp_path / "fresh")
+    executor = Executor(fresh, host.store, rows.database, rows.clock)
+    with pytest.raises(RestoreImpossible, match=r"snapshot of .* is missing from the artifact"):
+        restore_run(fresh, host.store, rows.database, executor, run)
