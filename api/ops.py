@@ -12,7 +12,7 @@ from core import runs, sessions
 from core.apikeys import Principal
 from core.errors import ErrorCode, InvalidInput, SessionExpired, TreadleError
 from core.ids import training_run_id
-from core.tables import Tenant, TrainingRun
+from core.tables import RunStatus, Tenant, TrainingRun
 from scheduler.admission import admit_training_run
 from scheduler.ops import OpKind, encode_json_payload, refused
 from scheduler.submit import Submitted, submit, submit_training_op
@@ -29,7 +29,7 @@ def active_run(db: OrmSession, state: AppState, principal: Principal, model_id: 
         session_id=run.session_id,
         ttl_seconds=state.settings.session_ttl_seconds,
     )
-    if run.status in (runs.UNLOADED, runs.FAILED):
+    if run.status in (RunStatus.UNLOADED, RunStatus.FAILED):
         raise InvalidInput(
             f"training run {model_id} was {run.status}; create a new training client"
         )

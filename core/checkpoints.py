@@ -17,14 +17,17 @@ from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound
-from core.tables import ModelPackage, ModelVersion, TrainingRun
+from core.tables import ModelPackage, ModelVersion, TrainingRun, VersionStatus
 from treadle.types.checkpoints import checkpoint_name_problem
 
-KIND_BY_SEGMENT = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+KIND_BY_SEGMENT = {
+    "weights": "training",
+    "sampler_weights": "sampler",
+    "external_weights": "external",
+}
 SEGMENT_BY_KIND = {kind: segment for segment, kind in KIND_BY_SEGMENT.items()}
 MIN_TTL_SECONDS = 3600
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
-READY, PENDING, FAILED, DELETED = "ready", "pending", "failed", "deleted"
 
 
 def tinker_path(run_id: str, kind: str, name: str) -> str:
@@ -62,7 +65,9 @@ def check_ttl(ttl_seconds: int | None) -> int | None:
 
 
 def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPackage:
-    query = select(ModelPackage).where(ModelPackage.tenant_id == run.tenant_id, ModelPackage.name == run.id)
+    query = select(ModelPackage).where(
+        ModelPackage.tenant_id == run.tenant_id, ModelPackage.name == run.id
+    )
     package = db.scalar(query.with_for_update())
     if package is None:
         package = ModelPackage(
@@ -80,7 +85,11 @@ def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPac
 
 
 def find_by_path(db: OrmSession, path: str) -> ModelVersion | None:
-    return db.scalar(select(ModelVersion).where(ModelVersion.tinker_path == path, ModelVersion.status != DELETED))
+    return db.scalar(
+        select(ModelVersion).where(
+            ModelVersion.tinker_path == path, ModelVersion.status != VersionStatus.DELETED
+        )
+    )
 
 
 def register(
@@ -103,11 +112,15 @@ def register(
         existing = find_by_path(db, path)
         if existing is not None:
             if not overwrite:
-                raise InvalidInput(f"checkpoint {path} already exists; pick another name or pass overwrite=True")
-            existing.status, existing.tinker_path = DELETED, None
+                raise InvalidInput(
+                    f"checkpoint {path} already exists; pick another name or pass overwrite=True"
+                )
+            existing.status, existing.tinker_path = VersionStatus.DELETED, None
             db.flush()
     package = _package_for_run(db, clock, run)
-    latest = db.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.package_id == package.id))
+    latest = db.scalar(
+        select(func.max(ModelVersion.version)).where(ModelVersion.package_id == package.id)
+    )
     now = clock.now()
     version = ModelVersion(
         id="mv_" + uuid.uuid4().hex[:16],
@@ -123,7 +136,7 @@ def register(
         artifact_uri=artifact_uri,
         size_bytes=size_bytes,
         sha256=sha256,
-        status=READY,
+        status=VersionStatus.READY,
         expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None,
         created_at=now,
     )
@@ -140,16 +153,24 @@ def resolve(db: OrmSession, clock: Clock, tenant_id: str, path: str) -> ModelVer
     """The live checkpoint at `path` that `tenant_id` may read: its own, or a published one."""
     parse_tinker_path(path)
     version = find_by_path(db, path)
-    if version is None or (version.tenant_id != tenant_id and not version.public) or _expired(version, clock.now()):
+    if (
+        version is None
+        or (version.tenant_id != tenant_id and not version.public)
+        or _expired(version, clock.now())
+    ):
         raise _not_found(path)
     return version
 
 
 def _not_found(path: str) -> NotFound:
-    return NotFound(f"checkpoint {path} not found; list yours with RestClient.list_user_checkpoints()")
+    return NotFound(
+        f"checkpoint {path} not found; list yours with RestClient.list_user_checkpoints()"
+    )
 
 
-def owned(db: OrmSession, clock: Clock, tenant_id: str, run_id: str, checkpoint_id: str) -> ModelVersion:
+def owned(
+    db: OrmSession, clock: Clock, tenant_id: str, run_id: str, checkpoint_id: str
+) -> ModelVersion:
     """A checkpoint of the tenant's own run, addressed as in REST paths (`weights/<name>`)."""
     path = f"tinker://{run_id}/{checkpoint_id}"
     version = resolve(db, clock, tenant_id, path)
@@ -165,7 +186,7 @@ def list_checkpoints(
     now = clock.now()
     conditions = [
         ModelVersion.tenant_id == tenant_id,
-        ModelVersion.status == READY,
+        ModelVersion.status == VersionStatus.READY,
         ModelVersion.tinker_path.is_not(None),
         or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now),
     ]
@@ -173,7 +194,11 @@ def list_checkpoints(
         conditions.append(ModelVersion.training_run_id == run_id)
     total = db.scalar(select(func.count()).select_from(ModelVersion).where(*conditions)) or 0
     rows = db.scalars(
-        select(ModelVersion).where(*conditions).order_by(ModelVersion.created_at.desc(), ModelVersion.id).limit(limit).offset(offset)
+        select(ModelVersion)
+        .where(*conditions)
+        .order_by(ModelVersion.created_at.desc(), ModelVersion.id)
+        .limit(limit)
+        .offset(offset)
     )
     return list(rows), total
 
@@ -181,8 +206,12 @@ def list_checkpoints(
 def latest_of_kind(db: OrmSession, run_id: str, kind: str) -> ModelVersion | None:
     return db.scalar(
         select(ModelVersion)
-        .where(ModelVersion.training_run_id == run_id, ModelVersion.kind == kind, ModelVersion.status == READY,
-               ModelVersion.tinker_path.is_not(None))
+        .where(
+            ModelVersion.training_run_id == run_id,
+            ModelVersion.kind == kind,
+            ModelVersion.status == VersionStatus.READY,
+            ModelVersion.tinker_path.is_not(None),
+        )
         .order_by(ModelVersion.version.desc())
         .limit(1)
     )
@@ -195,7 +224,7 @@ def mark_deleted(version: ModelVersion) -> str | None:
     learns the weights are gone instead of opening a missing folder.
     """
     uri, version.artifact_uri = version.artifact_uri, None
-    version.status, version.tinker_path = DELETED, None
+    version.status, version.tinker_path = VersionStatus.DELETED, None
     return uri
 
 
@@ -215,7 +244,7 @@ def require_sampleable(
     sampling). `model_path` is the path the session was created from, for the message.
     """
     what = f"checkpoint {model_path}" if model_path else "the weights of this sampling session"
-    if version is None or version.status != READY or version.artifact_uri is None:
+    if version is None or version.status != VersionStatus.READY or version.artifact_uri is None:
         raise NotFound(
             f"{what} was deleted or overwritten; create a new sampling client from a live "
             "checkpoint"
@@ -233,7 +262,7 @@ def require_sampleable(
 def sampleable_by(tenant_id: SQLColumnExpression[str], now: datetime) -> ColumnElement[bool]:
     """`require_sampleable` as a condition on ModelVersion, for the tenant in `tenant_id`."""
     return and_(
-        ModelVersion.status == READY,
+        ModelVersion.status == VersionStatus.READY,
         ModelVersion.artifact_uri.is_not(None),
         or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now),
         or_(ModelVersion.tenant_id == tenant_id, ModelVersion.public.is_(True)),
@@ -247,7 +276,11 @@ def set_ttl(version: ModelVersion, clock: Clock, ttl_seconds: int | None) -> Non
 
 def live(version: ModelVersion, clock: Clock) -> bool:
     """Ready, named and not expired: what listings show and paths resolve to."""
-    return version.status == READY and version.tinker_path is not None and not _expired(version, clock.now())
+    return (
+        version.status == VersionStatus.READY
+        and version.tinker_path is not None
+        and not _expired(version, clock.now())
+    )
 
 
 def has_public(db: OrmSession, clock: Clock, run_id: str) -> bool:
@@ -255,9 +288,13 @@ def has_public(db: OrmSession, clock: Clock, run_id: str) -> bool:
     now = clock.now()
     found = db.scalar(
         select(ModelVersion.id)
-        .where(ModelVersion.training_run_id == run_id, ModelVersion.public.is_(True), ModelVersion.status == READY,
-               ModelVersion.tinker_path.is_not(None),
-               or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now))
+        .where(
+            ModelVersion.training_run_id == run_id,
+            ModelVersion.public.is_(True),
+            ModelVersion.status == VersionStatus.READY,
+            ModelVersion.tinker_path.is_not(None),
+            or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now),
+        )
         .limit(1)
     )
     return found is not None

@@ -1,25 +1,29 @@
-"""Training runs and sampling sessions: where their rows are created, and tenant-scoped reads.
+"""Training runs and sampling sessions: the one place their rows are written, and
+tenant-scoped reads.
 
 A training run's row is created together with the submission of its creation op (create_model,
 or a create-via-load); both are keyed by `(session_id, model_seq_id)`, so a retried creation
-returns the same run. A sampling session is keyed by `(session_id, seq)` the same way. The
-rows' later changes (status, placement on a worker, progress through the op log) are made by
-the scheduler, not here. Every read here is scoped by tenant.
+returns the same run. A sampling session is keyed by `(session_id, seq)` the same way. A run's
+later changes — its status, the worker holding it, its progress through the op log, its
+snapshots — are the functions below; the scheduler decides when, and the caller owns the
+transaction. Every read here is scoped by tenant.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound
 from core.ids import sampling_session_id, training_run_id
-from core.tables import SamplingSession, TrainingRun
+from core.tables import RunStatus, SamplingSession, TrainingRun
 
-PENDING, ACTIVE, UNLOADED, FAILED = "pending", "active", "unloaded", "failed"
+# A run in one of these holds (or is about to hold) memory on the worker placed for it.
+HOLDING = (RunStatus.PENDING, RunStatus.ACTIVE)
 
 
 def create_training_run(
@@ -52,7 +56,7 @@ def create_training_run(
         lora_rank=int(lora_config.get("rank", 0)),
         lora_config=lora_config,
         user_metadata=user_metadata,
-        status=PENDING,
+        status=RunStatus.PENDING,
         executed_seq_id=-1,  # the creation op is seq 0
         created_at=now,
         last_request_at=now,
@@ -60,6 +64,53 @@ def create_training_run(
     db.add(run)
     db.flush()
     return run, True
+
+
+def activate(run: TrainingRun) -> None:
+    """Its create_model or load finished: the run takes requests."""
+    run.status = RunStatus.ACTIVE
+
+
+def unload(run: TrainingRun) -> None:
+    """unload_model ran: the engine holds the run no more."""
+    run.status = RunStatus.UNLOADED
+
+
+def touch(run: TrainingRun, now: datetime) -> None:
+    """A request for the run arrived or finished."""
+    run.last_request_at = now
+
+
+def advance(run: TrainingRun, seq_id: int, now: datetime) -> None:
+    """The run's op `seq_id` finished, either way: the next one may run."""
+    run.executed_seq_id = max(run.executed_seq_id, seq_id)
+    touch(run, now)
+
+
+def skip_to(run: TrainingRun, seq_id: int) -> None:
+    """Give up on the ops before `seq_id` that never arrived: it runs next."""
+    run.executed_seq_id = seq_id - 1
+
+
+def count_step(run: TrainingRun) -> None:
+    """An optimizer step succeeded."""
+    run.optim_steps += 1
+
+
+def record_snapshot(run: TrainingRun, seq_id: int, uri: str) -> None:
+    """The run's full state after op `seq_id` is saved at `uri`: replay starts there."""
+    run.snapshot_seq_id, run.snapshot_uri = seq_id, uri
+
+
+def assign_worker(run: TrainingRun | SamplingSession, worker_id: str | None) -> None:
+    """Place a run or a sampler on a worker (None: on none, until one can take it)."""
+    run.worker_id = worker_id
+
+
+def unpin(db: OrmSession, worker_ids: list[str]) -> None:
+    """Runs and samplers held by these (dead) workers are held by none until placed again."""
+    for table in (TrainingRun, SamplingSession):
+        db.execute(update(table).where(table.worker_id.in_(worker_ids)).values(worker_id=None))
 
 
 def get_run(db: OrmSession, tenant_id: str, run_id: str) -> TrainingRun:

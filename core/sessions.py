@@ -19,9 +19,7 @@ from core.clock import Clock
 from core.db import Database
 from core.errors import ErrorCode, NotFound, QuotaExceeded, SessionExpired
 from core.ids import new_session_id
-from core.tables import SamplingSession, Session, Tenant, TrainingRun
-
-ACTIVE, FINISHED, EXPIRED = "active", "finished", "expired"
+from core.tables import SamplingSession, Session, SessionStatus, Tenant, TrainingRun
 
 
 def _stale_before(clock: Clock, ttl_seconds: float) -> datetime:
@@ -32,7 +30,8 @@ def _expire_stale(
     db: OrmSession, clock: Clock, ttl_seconds: float, tenant_id: str | None
 ) -> list[str]:
     query = select(Session.id).where(
-        Session.status == ACTIVE, Session.last_heartbeat_at < _stale_before(clock, ttl_seconds)
+        Session.status == SessionStatus.ACTIVE,
+        Session.last_heartbeat_at < _stale_before(clock, ttl_seconds),
     )
     if tenant_id is not None:
         query = query.where(Session.tenant_id == tenant_id)
@@ -40,8 +39,10 @@ def _expire_stale(
     if ids:
         db.execute(
             update(Session)
-            .where(Session.id.in_(ids), Session.status == ACTIVE)
-            .values(status=EXPIRED, ended_at=clock.now(), end_reason="heartbeat_timeout")
+            .where(Session.id.in_(ids), Session.status == SessionStatus.ACTIVE)
+            .values(
+                status=SessionStatus.EXPIRED, ended_at=clock.now(), end_reason="heartbeat_timeout"
+            )
         )
     return ids
 
@@ -73,7 +74,7 @@ def create_session(
             db.scalar(
                 select(func.count())
                 .select_from(Session)
-                .where(Session.tenant_id == tenant_id, Session.status == ACTIVE)
+                .where(Session.tenant_id == tenant_id, Session.status == SessionStatus.ACTIVE)
             )
             or 0
         )
@@ -91,7 +92,7 @@ def create_session(
             id=new_session_id(),
             tenant_id=tenant_id,
             api_key_id=api_key_id,
-            status=ACTIVE,
+            status=SessionStatus.ACTIVE,
             tags=list(tags),
             user_metadata=user_metadata,
             sdk_version=sdk_version,
@@ -112,7 +113,7 @@ def _describe_open(db: OrmSession, clock: Clock, tenant_id: str, open_count: int
     longest silent first (the likeliest to be left over by a process that died)."""
     rows = db.execute(
         select(Session.id, Session.created_at, Session.last_heartbeat_at)
-        .where(Session.tenant_id == tenant_id, Session.status == ACTIVE)
+        .where(Session.tenant_id == tenant_id, Session.status == SessionStatus.ACTIVE)
         .order_by(Session.last_heartbeat_at, Session.id)
         .limit(_LISTED_IN_QUOTA_ERROR)
     ).all()
@@ -152,14 +153,20 @@ def _owned(db: OrmSession, tenant_id: str, session_id: str) -> Session:
 
 
 def _refresh_expiry(session: Session, clock: Clock, ttl_seconds: float) -> None:
-    if session.status == ACTIVE and session.last_heartbeat_at < _stale_before(clock, ttl_seconds):
-        session.status = EXPIRED
+    if session.status == SessionStatus.ACTIVE and session.last_heartbeat_at < _stale_before(
+        clock, ttl_seconds
+    ):
+        session.status = SessionStatus.EXPIRED
         session.ended_at = clock.now()
         session.end_reason = "heartbeat_timeout"
 
 
 def _ended_message(session: Session) -> str:
-    how = "finished" if session.status == FINISHED else "expired after missing heartbeats"
+    how = (
+        "finished"
+        if session.status == SessionStatus.FINISHED
+        else "expired after missing heartbeats"
+    )
     return f"session {session.id!r} has {how}; start a new session (a new ServiceClient)"
 
 
@@ -169,7 +176,7 @@ def heartbeat(
     with database.transaction() as db:
         session = _owned(db, tenant_id, session_id)
         _refresh_expiry(session, clock, ttl_seconds)
-        if session.status != ACTIVE:
+        if session.status != SessionStatus.ACTIVE:
             ended = SessionExpired(_ended_message(session))
         else:
             session.last_heartbeat_at = clock.now()
@@ -184,7 +191,7 @@ def require_active(
     with code `session_ended`, as its message says)."""
     session = _owned(db, tenant_id, session_id)
     _refresh_expiry(session, clock, ttl_seconds)
-    if session.status != ACTIVE:
+    if session.status != SessionStatus.ACTIVE:
         raise NotFound(_ended_message(session), code=ErrorCode.SESSION_ENDED)
     return session
 
@@ -203,8 +210,8 @@ def finish(
     with database.transaction() as db:
         session = _owned(db, tenant_id, session_id)
         _refresh_expiry(session, clock, ttl_seconds)
-        if session.status == ACTIVE:
-            session.status = FINISHED
+        if session.status == SessionStatus.ACTIVE:
+            session.status = SessionStatus.FINISHED
             session.ended_at = clock.now()
             session.end_reason = reason
             session.end_detail = detail
@@ -239,7 +246,7 @@ def list_sessions(
     if open_within is not None:
         clock, ttl_seconds = open_within
         query = query.where(
-            Session.status == ACTIVE,
+            Session.status == SessionStatus.ACTIVE,
             Session.last_heartbeat_at >= _stale_before(clock, ttl_seconds),
         )
     return list(

@@ -7,6 +7,7 @@ money in integer micro-units, JSON for free-form metadata. Every tenant-owned ro
 
 from __future__ import annotations
 
+import enum
 from datetime import UTC, datetime
 from typing import Any
 
@@ -98,6 +99,14 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None]
 
 
+class SessionStatus(enum.StrEnum):
+    """`sessions.status`; changed only by `core.sessions`."""
+
+    ACTIVE = "active"
+    FINISHED = "finished"
+    EXPIRED = "expired"
+
+
 class Session(Base):
     __tablename__ = "sessions"
     __table_args__ = (Index("ix_sessions_tenant_status", "tenant_id", "status"),)
@@ -105,7 +114,7 @@ class Session(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
-    status: Mapped[str] = mapped_column(String(16))  # active | finished | expired
+    status: Mapped[str] = mapped_column(String(16))  # a SessionStatus
     tags: Mapped[list[str]] = mapped_column(default=list)
     user_metadata: Mapped[dict[str, Any] | None]
     sdk_version: Mapped[str | None] = mapped_column(String(64))
@@ -116,6 +125,15 @@ class Session(Base):
     ended_at: Mapped[datetime | None]
     end_reason: Mapped[str | None] = mapped_column(String(32))
     end_detail: Mapped[str | None] = mapped_column(Text)
+
+
+class RunStatus(enum.StrEnum):
+    """`training_runs.status`; changed only by `core.runs`."""
+
+    PENDING = "pending"  # created; its create_model or load has not finished
+    ACTIVE = "active"
+    UNLOADED = "unloaded"
+    FAILED = "failed"
 
 
 class TrainingRun(Base):
@@ -136,7 +154,7 @@ class TrainingRun(Base):
     lora_rank: Mapped[int] = mapped_column(Integer)
     lora_config: Mapped[dict[str, Any]]
     user_metadata: Mapped[dict[str, Any] | None]
-    status: Mapped[str] = mapped_column(String(16))  # active | unloaded | failed
+    status: Mapped[str] = mapped_column(String(16))  # a RunStatus
     corrupted: Mapped[bool] = mapped_column(Boolean, default=False)
     worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))
     # Highest seq_id executed, and the last snapshot replay can start from.
@@ -165,6 +183,15 @@ class SamplingSession(Base):
     created_at: Mapped[datetime]
 
 
+class OpStatus(enum.StrEnum):
+    """`operations.status`; changed only by `scheduler.oplog`."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
 class Operation(Base):
     """The op log and the futures table in one (DESIGN §4, §5)."""
 
@@ -182,7 +209,7 @@ class Operation(Base):
     target_id: Mapped[str] = mapped_column(String(128))  # training run or sampling session
     seq_id: Mapped[int | None] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(32))
-    status: Mapped[str] = mapped_column(String(16))  # queued | running | done | failed
+    status: Mapped[str] = mapped_column(String(16))  # an OpStatus
     payload: Mapped[bytes] = mapped_column(LargeBinary)
     payload_codec: Mapped[str] = mapped_column(String(16))  # e.g. "json+zstd"
     result: Mapped[bytes | None] = mapped_column(LargeBinary)
@@ -211,6 +238,15 @@ class ModelPackage(Base):
     created_at: Mapped[datetime]
 
 
+class VersionStatus(enum.StrEnum):
+    """`model_versions.status`; changed only by `core.checkpoints`."""
+
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+    DELETED = "deleted"
+
+
 class ModelVersion(Base):
     """An immutable saved artifact: a checkpoint, sampler weights or an export."""
 
@@ -231,7 +267,7 @@ class ModelVersion(Base):
     artifact_uri: Mapped[str | None] = mapped_column(Text)
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     sha256: Mapped[str | None] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16))  # pending | ready | failed | deleted
+    status: Mapped[str] = mapped_column(String(16))  # a VersionStatus
     public: Mapped[bool] = mapped_column(Boolean, default=False)
     expires_at: Mapped[datetime | None]
     created_at: Mapped[datetime]
@@ -251,6 +287,13 @@ class ModelAlias(Base):
     updated_at: Mapped[datetime]
 
 
+class WorkerStatus(enum.StrEnum):
+    """`workers.status`; changed only by `scheduler.workers`."""
+
+    LIVE = "live"
+    DEAD = "dead"
+
+
 class Worker(Base):
     """A GPU worker process; its lease is its liveness."""
 
@@ -260,7 +303,7 @@ class Worker(Base):
     hostname: Mapped[str] = mapped_column(String(200))
     device: Mapped[str] = mapped_column(String(32))
     models: Mapped[list[dict[str, Any]]] = mapped_column(default=list)
-    status: Mapped[str] = mapped_column(String(16))  # live | draining | dead
+    status: Mapped[str] = mapped_column(String(16))  # a WorkerStatus
     # What the engine holds, reported with each lease renewal.
     held_runs: Mapped[int] = mapped_column(Integer, default=0)
     adapter_bytes: Mapped[int] = mapped_column(BigInteger, default=0)

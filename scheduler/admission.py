@@ -21,10 +21,10 @@ from typing import Any
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session as OrmSession
 
-from core import runs, sessions
+from core import runs
 from core.clock import Clock
 from core.errors import QuotaExceeded
-from core.tables import Operation, Session, TrainingRun
+from core.tables import Operation, Session, SessionStatus, TrainingRun
 from core.tenants import lock_tenant, resource_limits
 from scheduler.models import lora_parameters_per_rank
 from scheduler.submit import FAILED
@@ -107,8 +107,8 @@ def _live_runs(
         .join(Session, Session.id == TrainingRun.session_id)
         .where(
             TrainingRun.tenant_id == tenant_id,
-            TrainingRun.status.in_((runs.PENDING, runs.ACTIVE)),
-            Session.status == sessions.ACTIVE,
+            TrainingRun.status.in_(runs.HOLDING),
+            Session.status == SessionStatus.ACTIVE,
             Session.last_heartbeat_at >= heard_since,
             ~creation_failed,
         )

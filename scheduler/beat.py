@@ -10,44 +10,28 @@ from __future__ import annotations
 import logging
 import time
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
-from core import sessions
+from core import runs, sessions
 from core.clock import Clock
 from core.db import Database
 from core.settings import Settings
-from core.tables import Operation, SamplingSession, TrainingRun, Worker
-from scheduler.placement import DEAD, LIVE, place
-from scheduler.submit import QUEUED, RUNNING
+from core.tables import Operation, OpStatus
+from scheduler import oplog, workers
+from scheduler.placement import place
 
 log = logging.getLogger(__name__)
 
 
 def reap_dead_workers(database: Database, clock: Clock) -> list[str]:
-    """Mark workers whose lease lapsed dead, requeue what they were running, unpin their runs."""
-    now = clock.now()
+    """Declare workers whose lease lapsed dead, requeue what they were running, unpin their
+    runs and samplers (placed again on live workers by `place_queued`)."""
     with database.transaction() as db:
-        dead = list(
-            db.scalars(
-                select(Worker.id).where(Worker.status == LIVE, Worker.lease_expires_at <= now)
-            )
-        )
+        dead = workers.declare_dead_lapsed(db, clock.now())
         if not dead:
             return []
-        db.execute(update(Worker).where(Worker.id.in_(dead)).values(status=DEAD))
-        db.execute(
-            update(Operation)
-            .where(Operation.status == RUNNING, Operation.worker_id.in_(dead))
-            .values(status=QUEUED, worker_id=None)
-        )
-        db.execute(
-            update(TrainingRun).where(TrainingRun.worker_id.in_(dead)).values(worker_id=None)
-        )
-        db.execute(
-            update(SamplingSession)
-            .where(SamplingSession.worker_id.in_(dead))
-            .values(worker_id=None)
-        )
+        oplog.requeue_held_by(db, dead)
+        runs.unpin(db, dead)
     log.warning("workers %s stopped renewing their leases; their work moves to live workers", dead)
     return dead
 
@@ -58,7 +42,9 @@ def place_queued(database: Database, settings: Settings, clock: Clock) -> dict[s
     wake: dict[str, set[str]] = {}
     with database.transaction() as db:
         targets = set(
-            db.scalars(select(Operation.target_id).where(Operation.status == QUEUED).distinct())
+            db.scalars(
+                select(Operation.target_id).where(Operation.status == OpStatus.QUEUED).distinct()
+            )
         )
         for target in sorted(targets):
             worker_id = place(db, settings, now, target)

@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
-from core.tables import Worker
+from core.tables import Worker, WorkerStatus
 
 
 def tokenizer_key(model: str) -> str:
@@ -18,7 +18,7 @@ def tokenizer_key(model: str) -> str:
 def registered_models(db: OrmSession) -> dict[str, dict[str, Any]]:
     """Model name → what a live worker reported about it (context length, vocabulary)."""
     out: dict[str, dict[str, Any]] = {}
-    for models in db.scalars(select(Worker.models).where(Worker.status == "live")):
+    for models in db.scalars(select(Worker.models).where(Worker.status == WorkerStatus.LIVE)):
         for entry in models:
             out.setdefault(entry["name"], entry)
     return out
@@ -30,7 +30,7 @@ def lora_parameters_per_rank(db: OrmSession) -> dict[str, dict[str, int]]:
     with the worker that serves it); a live worker's come first."""
     out: dict[str, dict[str, int]] = {}
     rows = db.execute(select(Worker.status, Worker.models)).all()
-    for _, models in sorted(rows, key=lambda row: row[0] != "live"):
+    for _, models in sorted(rows, key=lambda row: row[0] != WorkerStatus.LIVE):
         for entry in models:
             sizes = entry.get("lora_parameters_per_rank")
             if sizes is not None:

@@ -12,17 +12,12 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
+from core import runs
 from core.settings import Settings
 from core.tables import SamplingSession, TrainingRun, Worker
+from scheduler import workers
 
-LIVE, DEAD = "live", "dead"
-_HOLDING = ("pending", "active")
-
-
-def live_workers(db: OrmSession, now: datetime) -> list[Worker]:
-    return list(
-        db.scalars(select(Worker).where(Worker.status == LIVE, Worker.lease_expires_at > now))
-    )
+live_workers = workers.live
 
 
 def _serves(worker: Worker, model: str) -> bool:
@@ -33,14 +28,14 @@ def choose_worker(
     db: OrmSession, settings: Settings, now: datetime, base_model: str, prefer: str | None = None
 ) -> str | None:
     served = settings.model_aliases.get(base_model, base_model)
-    candidates = [w for w in live_workers(db, now) if _serves(w, served)]
+    candidates = [w for w in workers.live(db, now) if _serves(w, served)]
     if not candidates:
         return None
     if prefer is not None and any(w.id == prefer for w in candidates):
         return prefer
     rows = db.execute(
         select(TrainingRun.worker_id, func.count())
-        .where(TrainingRun.status.in_(_HOLDING), TrainingRun.worker_id.is_not(None))
+        .where(TrainingRun.status.in_(runs.HOLDING), TrainingRun.worker_id.is_not(None))
         .group_by(TrainingRun.worker_id)
     ).all()
     load = {worker_id: count for worker_id, count in rows}
@@ -51,21 +46,16 @@ def place(db: OrmSession, settings: Settings, now: datetime, target_id: str) -> 
     """The worker holding `target_id`, placing it first if needed; None when none can take it."""
     run = db.get(TrainingRun, target_id)
     if run is not None:
-        if run.worker_id is None or not _alive(db, run.worker_id, now):
-            run.worker_id = choose_worker(db, settings, now, run.base_model)
+        if run.worker_id is None or not workers.is_alive(db, run.worker_id, now):
+            runs.assign_worker(run, choose_worker(db, settings, now, run.base_model))
         return run.worker_id
     sampler = db.get(SamplingSession, target_id)
     if sampler is None:
         return None
-    if sampler.worker_id is None or not _alive(db, sampler.worker_id, now):
+    if sampler.worker_id is None or not workers.is_alive(db, sampler.worker_id, now):
         prefer = None
         if sampler.training_run_id is not None:
             owner = db.get(TrainingRun, sampler.training_run_id)
             prefer = owner.worker_id if owner is not None else None
-        sampler.worker_id = choose_worker(db, settings, now, sampler.base_model, prefer)
+        runs.assign_worker(sampler, choose_worker(db, settings, now, sampler.base_model, prefer))
     return sampler.worker_id
-
-
-def _alive(db: OrmSession, worker_id: str, now: datetime) -> bool:
-    worker = db.get(Worker, worker_id)
-    return worker is not None and worker.status == LIVE and worker.lease_expires_at > now

@@ -1,7 +1,8 @@
-"""The one write path for operations: validate ordering, dedupe, insert, wake the dispatcher.
+"""Submitting operations: ordering checks, dedupe and queue limits before `oplog.queue`.
 
 An operation is keyed by `(target_id, seq_id)`: a resubmission of the same key (the tinker SDK
-retries with new idempotency keys) returns the existing request id and never runs twice.
+retries with new idempotency keys) returns the existing request id and never runs twice. The
+caller owns the transaction, and wakes the dispatcher once it committed.
 """
 
 from __future__ import annotations
@@ -13,21 +14,20 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
+from core import runs
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound, RateLimited
 from core.ids import new_request_id
-from core.tables import Operation, TrainingRun
+from core.tables import Operation, OpStatus, TrainingRun
 from core.tenants import lock_tenant, resource_limits
-from scheduler import failures
+from scheduler import oplog
 from scheduler.failures import OpFailure
+from scheduler.oplog import UNLOAD_SEQ as UNLOAD_SEQ
 from scheduler.ops import OpKind
 
 log = logging.getLogger(__name__)
 
-QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
-# unload_model carries no seq_id on the wire: it runs after everything submitted before it,
-# and anything after it arrives too late.
-UNLOAD_SEQ = 1 << 62
+QUEUED, RUNNING, DONE, FAILED = OpStatus.QUEUED, OpStatus.RUNNING, OpStatus.DONE, OpStatus.FAILED
 # What a refusal under a queue limit asks clients to wait: queues drain at the engine's pace.
 RETRY_AFTER_SECONDS = 1.0
 
@@ -65,14 +65,12 @@ def submit(
         target_id=target_id,
         seq_id=seq_id,
         kind=kind.value,
-        status=QUEUED,
         payload=payload,
         payload_codec=payload_codec,
         created_at=clock.now(),
     )
     try:
-        with db.begin_nested():
-            db.add(op)
+        oplog.queue(db, op)
     except IntegrityError:
         # A concurrent twin won the race on (target_id, seq_id): answer with its request id.
         existing = _existing(db, tenant_id, target_id, seq_id, kind) if seq_id is not None else None
@@ -99,7 +97,7 @@ def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) ->
     in_flight = (
         select(func.count())
         .select_from(Operation)
-        .where(Operation.tenant_id == tenant_id, Operation.status.in_((QUEUED, RUNNING)))
+        .where(Operation.tenant_id == tenant_id, Operation.status.in_(oplog.IN_FLIGHT))
     )
     queued = db.scalar(in_flight) or 0
     if queued >= limits.max_queued_ops:
@@ -174,14 +172,14 @@ def submit_training_op(
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)
         assert op is not None
-        op.status, op.finished_at = FAILED, clock.now()
-        failures.record(
+        oplog.fail_queued(
             op,
             OpFailure.user(
                 f"seq_id {seq_id} reached the server after later requests of {run.id} had run (it "
                 "was given up on as lost); submit the work again with a new request"
             ),
+            clock.now(),
         )
         log.warning("late arrival of seq %s on %s after its gap was released", seq_id, run.id)
-    run.last_request_at = clock.now()
+    runs.touch(run, clock.now())
     return submitted

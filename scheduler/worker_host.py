@@ -11,41 +11,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any
 
-from sqlalchemy import Select, and_, exists, func, or_, select, update
-from sqlalchemy.orm import Session as OrmSession
-from sqlalchemy.orm import aliased, defer
+from sqlalchemy import select
 
 from billing.ledger import record_usage
-from core import checkpoints
+from core import checkpoints, runs
 from core.clock import Clock
 from core.db import Database
 from core.errors import TreadleError
 from core.objectstore import ArtifactStore
 from core.settings import Settings
-from core.tables import (
-    ModelVersion,
-    Operation,
-    SamplingSession,
-    Session,
-    TrainingRun,
-    Worker,
-)
+from core.tables import ModelVersion, SamplingSession, Session, SessionStatus, TrainingRun
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
-from scheduler import failures
+from scheduler import oplog, workers
 from scheduler.execute import Executor, Outcome, failed_forward_backwards
 from scheduler.failures import OpFailure
 from scheduler.models import tokenizer_key
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
 from scheduler.recovery import RestoreImpossible, restore_run
-from scheduler.submit import DONE, FAILED, QUEUED, RUNNING, UNLOAD_SEQ
 from scheduler.task import Task
 from treadle.wire import DEFAULT_MAX_BODY_BYTES
 
@@ -82,47 +70,6 @@ TOKENIZER_FILES = frozenset(
         "chat_template.json",
     }
 )
-
-
-_ANY_QUEUED = select(Operation.id).where(Operation.status == QUEUED).limit(1)
-
-
-def _ready_training_ops(worker_id: str | None) -> Select[Operation, str]:
-    """Queued training ops that may run now (each run's next seq_id, or an unload with nothing
-    before it), with their run's base model; only runs placed on `worker_id` if given."""
-    earlier = aliased(Operation)
-    nothing_before = ~exists().where(
-        earlier.target_id == Operation.target_id,
-        earlier.status.in_((QUEUED, RUNNING)),
-        earlier.seq_id < Operation.seq_id,
-    )
-    return (
-        select(Operation, TrainingRun.base_model)
-        .join(TrainingRun, TrainingRun.id == Operation.target_id)
-        .where(
-            Operation.status == QUEUED,
-            or_(
-                Operation.seq_id == TrainingRun.executed_seq_id + 1,
-                and_(Operation.seq_id == UNLOAD_SEQ, nothing_before),
-            ),
-            *((TrainingRun.worker_id == worker_id,) if worker_id is not None else ()),
-        )
-    )
-
-
-def _ready_samples(worker_id: str | None, limit: int) -> Select[Operation, str, str | None]:
-    """The oldest queued sampling requests, with their sampler's base model and version."""
-    return (
-        select(Operation, SamplingSession.base_model, SamplingSession.model_version_id)
-        .join(SamplingSession, SamplingSession.id == Operation.target_id)
-        .where(
-            Operation.status == QUEUED,
-            Operation.kind == OpKind.SAMPLE.value,
-            *((SamplingSession.worker_id == worker_id,) if worker_id is not None else ()),
-        )
-        .order_by(Operation.created_at)
-        .limit(limit)
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,11 +117,7 @@ class WorkerHost:
         self.executor = Executor(
             engine, store, database, clock, max_request_bytes=max_request_bytes
         )
-        # Built once: the claim runs for every op, and building its statements costs more
-        # than running them.
-        owner = worker_id if owned_only else None
-        self._ready_training = _ready_training_ops(owner)
-        self._ready_samples = _ready_samples(owner, max_sample_batch)
+        self._ready = oplog.ReadyQueries.build(worker_id if owned_only else None, max_sample_batch)
 
     # --- start-up -------------------------------------------------------------------------
 
@@ -193,27 +136,26 @@ class WorkerHost:
                 if file.is_file() and file.name in TOKENIZER_FILES:
                     shutil.copy2(file, folder / file.name)
         now = self.clock.now()
+        served = [
+            {
+                "name": name,
+                "max_context_length": info.max_context_length,
+                "vocab_size": info.vocab_size,
+                "lora_parameters_per_rank": lora_sizes[name],
+            }
+            for name, info in zip(models, infos, strict=True)
+        ]
         with self.database.transaction() as db:
-            worker = db.get(Worker, self.worker_id) or Worker(id=self.worker_id, registered_at=now)
-            worker.hostname = socket.gethostname()
-            worker.device = str(self.engine.device)
-            worker.models = [
-                {
-                    "name": name,
-                    "max_context_length": info.max_context_length,
-                    "vocab_size": info.vocab_size,
-                    "lora_parameters_per_rank": lora_sizes[name],
-                }
-                for name, info in zip(models, infos, strict=True)
-            ]
-            worker.status, worker.lease_expires_at = "live", now + self.lease
-            db.merge(worker)
-            # Whatever this worker was running when it last stopped never finished: run it again.
-            db.execute(
-                update(Operation)
-                .where(Operation.status == RUNNING, Operation.worker_id == self.worker_id)
-                .values(status=QUEUED)
+            workers.register(
+                db,
+                self.worker_id,
+                device=str(self.engine.device),
+                models=served,
+                lease_until=now + self.lease,
+                now=now,
             )
+            # Whatever this worker was running when it last stopped never finished: run it again.
+            oplog.requeue_held_by(db, [self.worker_id])
 
     def renew_lease(self) -> bool:
         """Extend this worker's lease and report what it holds; False when it was declared
@@ -226,12 +168,13 @@ class WorkerHost:
             except Exception:  # removed meanwhile
                 continue
         with self.database.transaction() as db:
-            worker = db.get(Worker, self.worker_id)
-            if worker is None or worker.status != "live":
-                return False
-            worker.lease_expires_at = self.clock.now() + self.lease
-            worker.held_runs, worker.adapter_bytes = len(held), held_bytes
-            return True
+            return workers.renew(
+                db,
+                self.worker_id,
+                lease_until=self.clock.now() + self.lease,
+                held_runs=len(held),
+                adapter_bytes=held_bytes,
+            )
 
     def drain(self) -> int:
         """Step until nothing is ready; safe to call from several threads."""
@@ -258,8 +201,8 @@ class WorkerHost:
                     .join(Session, Session.id == TrainingRun.session_id)
                     .where(
                         TrainingRun.id.in_(held),
-                        Session.status == "active",
-                        TrainingRun.status.in_(("pending", "active")),
+                        Session.status == SessionStatus.ACTIVE,
+                        TrainingRun.status.in_(runs.HOLDING),
                         *((TrainingRun.worker_id == self.worker_id,) if self.owned_only else ()),
                     )
                 )
@@ -270,7 +213,7 @@ class WorkerHost:
                     .join(Session, Session.id == SamplingSession.session_id)
                     .join(ModelVersion, ModelVersion.id == SamplingSession.model_version_id)
                     .where(
-                        Session.status == "active",
+                        Session.status == SessionStatus.ACTIVE,
                         checkpoints.sampleable_by(SamplingSession.tenant_id, self.clock.now()),
                     )
                 )
@@ -338,53 +281,19 @@ class WorkerHost:
         tasks = list(self._unrecorded.values())
         try:
             with self.database.transaction() as db:
-                for task in tasks:
-                    op = db.get(Operation, task.id)
-                    if op is None or op.status != RUNNING or op.worker_id != self.worker_id:
-                        continue
-                    if op.attempts >= self.max_attempts:
-                        self._give_up(db, op)
-                    else:
-                        op.status = QUEUED
+                oplog.requeue(
+                    db,
+                    [task.id for task in tasks],
+                    worker_id=self.worker_id,
+                    max_attempts=self.max_attempts,
+                    now=self.clock.now(),
+                )
         except Exception:
             log.exception("could not release %d operations; retrying at the next step", len(tasks))
             return
         self._unrecorded.clear()
         for task in tasks:
             self.notifier.publish(task.id)
-
-    def _give_up(self, db: OrmSession, op: Operation) -> None:
-        """Fail an op that was interrupted `max_attempts` times, so that it cannot stop its
-        neighbours (or a restarted worker) again; the run's later ops go on."""
-        log.error(
-            "giving up on operation %s (%s of %s) after %d interrupted attempts",
-            op.id,
-            op.kind,
-            op.target_id,
-            op.attempts,
-        )
-        op.status, op.finished_at = FAILED, self.clock.now()
-        failures.record(
-            op,
-            OpFailure.server(
-                f"{op.kind} was interrupted {op.attempts} times while the server executed it, so "
-                "it was given up rather than tried again; check this request's inputs, send the "
-                "work again as a new request, and report it to the operator if it recurs"
-            ),
-        )
-        self._advance(db, OpKind(op.kind), op.target_id, op.seq_id)
-
-    def _advance(
-        self, db: OrmSession, kind: OpKind, target_id: str, seq_id: int | None
-    ) -> TrainingRun | None:
-        """A training op finished (either way): its run's next op may run."""
-        if kind is OpKind.SAMPLE or seq_id is None:
-            return None
-        run = db.get(TrainingRun, target_id)
-        if run is not None:
-            run.executed_seq_id = max(run.executed_seq_id, seq_id)
-            run.last_request_at = self.clock.now()
-        return run
 
     def _ensure_loaded(self, task: Task) -> Outcome | None:
         """Restore a run this engine does not hold; a failure outcome if that is impossible."""
@@ -413,10 +322,11 @@ class WorkerHost:
                 "snapshot of %s failed; recovery will replay from the previous one", task.target_id
             )
             return
+        assert task.seq_id is not None
         with self.database.transaction() as db:
             run = db.get(TrainingRun, task.target_id)
             if run is not None:
-                run.snapshot_seq_id, run.snapshot_uri = task.seq_id, uri
+                runs.record_snapshot(run, task.seq_id, uri)
         if due.previous is not None and due.previous != uri:
             self.store.delete(due.previous)
 
@@ -426,76 +336,29 @@ class WorkerHost:
         # writes (on SQLite a contended BEGIN IMMEDIATE sleeps in the busy handler).
         # A plain connection, no ORM session: this runs twice per op, once finding nothing.
         with self.database.engine.connect() as connection:
-            if connection.execute(_ANY_QUEUED).first() is None:
+            if connection.execute(oplog.ANY_QUEUED).first() is None:
                 return [], 0
         now = self.clock.now()
         with self.database.transaction() as db:
             # Gaps are given up after minutes: looking for them once a second is plenty.
             if time.monotonic() - self._gaps_checked_at >= 1.0:
                 self._gaps_checked_at = time.monotonic()
-                self._release_gaps(db, now)
-            rows: list[tuple[Operation, str, str | None]] = []
-            training = db.execute(self._ready_training).all()
-            rows.extend((op, base, None) for op, base in training)
-            samples = db.execute(self._ready_samples).all()
-            rows.extend((op, base, version) for op, base, version in samples)
-            given_up = [op for op, _, _ in rows if op.attempts >= self.max_attempts]
-            for op in given_up:
-                self._give_up(db, op)
-            rows = [row for row in rows if row[0].attempts < self.max_attempts]
-            # An op that was interrupted before (a failed step, a crash, a restart) runs alone:
-            # if it is what brings the worker down, it takes nobody else with it.
-            retried = [row for row in rows if row[0].attempts > 0]
-            if retried:
-                rows = [min(retried, key=lambda row: row[0].created_at)]
+                oplog.release_gaps(db, now, self.gap_timeout)
+            ready, given_up = oplog.claim(
+                db, self._ready, worker_id=self.worker_id, now=now, max_attempts=self.max_attempts
+            )
             tasks = []
-            for op, base_model, version_id in rows:
-                op.status, op.started_at, op.attempts, op.worker_id = (
-                    RUNNING,
-                    now,
-                    op.attempts + 1,
-                    self.worker_id,
-                )
+            for r in ready:
                 failed = None
-                if op.kind == OpKind.OPTIM_STEP.value:
+                if r.op.kind == OpKind.OPTIM_STEP.value:
                     # Every earlier op of the run is recorded by now: the step's window is whole.
                     failed = failed_forward_backwards(
-                        db, op.target_id, op.seq_id, self.executor.max_request_bytes
+                        db, r.op.target_id, r.op.seq_id, self.executor.max_request_bytes
                     )
-                tasks.append(Task.of(op, base_model, version_id, failed))
+                tasks.append(Task.of(r.op, r.base_model, r.sampler_version_id, failed))
         for op in given_up:
             self.notifier.publish(op.id)
         return tasks, len(given_up)
-
-    def _release_gaps(self, db: OrmSession, now: Any) -> None:
-        """Skip seq_ids that never arrived, once a later op has waited past the gap timeout."""
-        waiting = db.execute(
-            select(TrainingRun, func.min(Operation.seq_id), func.min(Operation.created_at))
-            .join(Operation, Operation.target_id == TrainingRun.id)
-            .where(
-                Operation.status == QUEUED,
-                Operation.seq_id > TrainingRun.executed_seq_id + 1,
-                Operation.seq_id < UNLOAD_SEQ,
-            )
-            .group_by(TrainingRun.id)
-        ).all()
-        for run, first_waiting, since in waiting:
-            assert first_waiting is not None
-            next_expected = run.executed_seq_id + 1
-            has_next = db.scalar(
-                select(func.count())
-                .select_from(Operation)
-                .where(Operation.target_id == run.id, Operation.seq_id == next_expected)
-            )
-            if not has_next and now - since >= self.gap_timeout:
-                log.warning(
-                    "run %s: seq %d..%d never arrived; continuing with %d",
-                    run.id,
-                    next_expected,
-                    first_waiting - 1,
-                    first_waiting,
-                )
-                run.executed_seq_id = first_waiting - 1
 
     def _record(self, task: Task, outcome: Outcome) -> SnapshotDue | None:
         try:
@@ -511,17 +374,14 @@ class WorkerHost:
     def _store(self, task: Task, outcome: Outcome) -> SnapshotDue | None:
         """Record the outcome, its usage and the run's progress in one transaction; says
         whether the run's state is due for a snapshot (every few successful optimizer steps)."""
+        now = self.clock.now()
         with self.database.transaction() as db:
-            # The request body stays unread: it can be large, and it is no longer needed.
-            op = db.get(Operation, task.id, options=[defer(Operation.payload)])
-            if op is None or op.status != RUNNING:
-                return None  # already recorded (a redelivery); never record twice
-            op.finished_at = self.clock.now()
             if outcome.error is not None:
-                op.status = FAILED
-                failures.record(op, outcome.error)
+                if oplog.fail(db, task.id, now, outcome.error) is None:
+                    return None  # already recorded (a redelivery); never record twice
             else:
-                op.status, op.result, op.result_codec = DONE, outcome.result, outcome.codec
+                if oplog.finish(db, task.id, now, outcome.result, outcome.codec) is None:
+                    return None
                 if outcome.apply is not None:
                     outcome.apply(db)
                 record_usage(
@@ -533,7 +393,7 @@ class WorkerHost:
                     base_model=task.base_model,
                     lines=outcome.usage,
                 )
-            run = self._advance(db, task.kind, task.target_id, task.seq_id)
+            run = oplog.advance_run(db, task.kind, task.target_id, task.seq_id, now)
             stepped = task.kind is OpKind.OPTIM_STEP and outcome.error is None
             if run is None or not stepped or run.optim_steps % self.snapshot_every_steps:
                 return None

@@ -1,0 +1,261 @@
+"""The op log's states: every change of an operation's status is made here.
+
+    queued ──claim──▶ running ──finish──▶ done
+      ▲  │                │   └───fail───▶ failed
+      │  │                │
+      │  └──fail_queued───┼──────────────▶ failed   (a late arrival; given up after
+      └────requeue────────┘                          too many interrupted attempts)
+
+`queue` inserts an op; the other functions move it along. Each takes the caller's session: the
+caller (a route, the worker host, beat) owns the transaction. A run's progress that follows
+from an op's end is written through `core.runs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import datetime, timedelta
+
+from sqlalchemy import Select, and_, exists, func, or_, select, update
+from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.orm import aliased, defer
+
+from core import runs
+from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
+from scheduler import failures
+from scheduler.failures import OpFailure
+from scheduler.ops import OpKind
+
+log = logging.getLogger(__name__)
+
+# unload_model carries no seq_id on the wire: it runs after everything submitted before it,
+# and anything after it arrives too late.
+UNLOAD_SEQ = 1 << 62
+IN_FLIGHT = (OpStatus.QUEUED, OpStatus.RUNNING)
+
+
+def queue(db: OrmSession, op: Operation) -> None:
+    """Insert `op` as queued, in a savepoint: when a concurrent twin holds its (target_id,
+    seq_id), IntegrityError is raised and the caller's transaction goes on without it."""
+    op.status = OpStatus.QUEUED
+    with db.begin_nested():
+        db.add(op)
+
+
+def fail_queued(op: Operation, failure: OpFailure, now: datetime) -> None:
+    """Fail an op that will never run (it arrived after its gap was given up)."""
+    op.status, op.finished_at = OpStatus.FAILED, now
+    failures.record(op, failure)
+
+
+# --- claiming ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """A claimable op, with what the executor needs of its target."""
+
+    op: Operation
+    base_model: str
+    sampler_version_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyQueries:
+    """The statements that find claimable work, built once per worker: the claim runs for every
+    op, and building its statements costs more than running them."""
+
+    training: Select[Operation, str]
+    samples: Select[Operation, str, str | None]
+
+    @classmethod
+    def build(cls, worker_id: str | None, max_samples: int) -> ReadyQueries:
+        """Work of every target, or with `worker_id` only of the targets placed on it."""
+        earlier = aliased(Operation)
+        nothing_before = ~exists().where(
+            earlier.target_id == Operation.target_id,
+            earlier.status.in_(IN_FLIGHT),
+            earlier.seq_id < Operation.seq_id,
+        )
+        # Each run's next seq_id, or an unload with nothing before it.
+        training = (
+            select(Operation, TrainingRun.base_model)
+            .join(TrainingRun, TrainingRun.id == Operation.target_id)
+            .where(
+                Operation.status == OpStatus.QUEUED,
+                or_(
+                    Operation.seq_id == TrainingRun.executed_seq_id + 1,
+                    and_(Operation.seq_id == UNLOAD_SEQ, nothing_before),
+                ),
+                *((TrainingRun.worker_id == worker_id,) if worker_id is not None else ()),
+            )
+        )
+        # The oldest sampling requests first.
+        samples = (
+            select(Operation, SamplingSession.base_model, SamplingSession.model_version_id)
+            .join(SamplingSession, SamplingSession.id == Operation.target_id)
+            .where(
+                Operation.status == OpStatus.QUEUED,
+                Operation.kind == OpKind.SAMPLE.value,
+                *((SamplingSession.worker_id == worker_id,) if worker_id is not None else ()),
+            )
+            .order_by(Operation.created_at)
+            .limit(max_samples)
+        )
+        return cls(training, samples)
+
+
+ANY_QUEUED = select(Operation.id).where(Operation.status == OpStatus.QUEUED).limit(1)
+"""Whether anything is queued at all: a cheap look before taking the write lock."""
+
+
+def claim(
+    db: OrmSession,
+    queries: ReadyQueries,
+    *,
+    worker_id: str,
+    now: datetime,
+    max_attempts: int,
+) -> tuple[list[Ready], list[Operation]]:
+    """Mark what is ready now as running on `worker_id`; also returns the ops given up instead
+    (interrupted `max_attempts` times). An op interrupted before runs alone: if it is what
+    brings a worker down, it takes nobody else with it."""
+    ready = [Ready(op, base) for op, base in db.execute(queries.training)]
+    ready += [Ready(op, base, version) for op, base, version in db.execute(queries.samples)]
+    given_up = [r.op for r in ready if r.op.attempts >= max_attempts]
+    for op in given_up:
+        give_up(db, op, now)
+    ready = [r for r in ready if r.op.attempts < max_attempts]
+    retried = [r for r in ready if r.op.attempts > 0]
+    if retried:
+        ready = [min(retried, key=lambda r: r.op.created_at)]
+    for r in ready:
+        r.op.status, r.op.started_at, r.op.attempts, r.op.worker_id = (
+            OpStatus.RUNNING,
+            now,
+            r.op.attempts + 1,
+            worker_id,
+        )
+    return ready, given_up
+
+
+def release_gaps(db: OrmSession, now: datetime, gap_timeout: timedelta) -> None:
+    """Skip seq_ids that never arrived, once a later op has waited past the gap timeout."""
+    waiting = db.execute(
+        select(TrainingRun, func.min(Operation.seq_id), func.min(Operation.created_at))
+        .join(Operation, Operation.target_id == TrainingRun.id)
+        .where(
+            Operation.status == OpStatus.QUEUED,
+            Operation.seq_id > TrainingRun.executed_seq_id + 1,
+            Operation.seq_id < UNLOAD_SEQ,
+        )
+        .group_by(TrainingRun.id)
+    ).all()
+    for run, first_waiting, since in waiting:
+        assert first_waiting is not None
+        next_expected = run.executed_seq_id + 1
+        has_next = db.scalar(
+            select(func.count())
+            .select_from(Operation)
+            .where(Operation.target_id == run.id, Operation.seq_id == next_expected)
+        )
+        if not has_next and now - since >= gap_timeout:
+            log.warning(
+                "run %s: seq %d..%d never arrived; continuing with %d",
+                run.id,
+                next_expected,
+                first_waiting - 1,
+                first_waiting,
+            )
+            runs.skip_to(run, first_waiting)
+
+
+# --- ending -----------------------------------------------------------------------------------
+
+
+def _running(db: OrmSession, op_id: str) -> Operation | None:
+    # The request body stays unread: it can be large, and it is no longer needed.
+    op = db.get(Operation, op_id, options=[defer(Operation.payload)])
+    return op if op is not None and op.status == OpStatus.RUNNING else None
+
+
+def finish(
+    db: OrmSession, op_id: str, now: datetime, result: bytes | None, codec: str | None
+) -> Operation | None:
+    """Record a running op's result; None when it is not running (already recorded)."""
+    op = _running(db, op_id)
+    if op is not None:
+        op.status, op.finished_at, op.result, op.result_codec = OpStatus.DONE, now, result, codec
+    return op
+
+
+def fail(db: OrmSession, op_id: str, now: datetime, failure: OpFailure) -> Operation | None:
+    """Record a running op's failure; None when it is not running (already recorded)."""
+    op = _running(db, op_id)
+    if op is not None:
+        op.status, op.finished_at = OpStatus.FAILED, now
+        failures.record(op, failure)
+    return op
+
+
+def give_up(db: OrmSession, op: Operation, now: datetime) -> None:
+    """Fail an op that was interrupted `op.attempts` times, so that it cannot stop its
+    neighbours (or a restarted worker) again; its run's later ops go on."""
+    log.error(
+        "giving up on operation %s (%s of %s) after %d interrupted attempts",
+        op.id,
+        op.kind,
+        op.target_id,
+        op.attempts,
+    )
+    op.status, op.finished_at = OpStatus.FAILED, now
+    failures.record(
+        op,
+        OpFailure.server(
+            f"{op.kind} was interrupted {op.attempts} times while the server executed it, so it "
+            "was given up rather than tried again; check this request's inputs, send the work "
+            "again as a new request, and report it to the operator if it recurs"
+        ),
+    )
+    advance_run(db, OpKind(op.kind), op.target_id, op.seq_id, now)
+
+
+def advance_run(
+    db: OrmSession, kind: OpKind, target_id: str, seq_id: int | None, now: datetime
+) -> TrainingRun | None:
+    """A training op ended (either way): its run's next op may run. Returns the run."""
+    if kind is OpKind.SAMPLE or seq_id is None:
+        return None
+    run = db.get(TrainingRun, target_id)
+    if run is not None:
+        runs.advance(run, seq_id, now)
+    return run
+
+
+# --- requeueing -------------------------------------------------------------------------------
+
+
+def requeue(
+    db: OrmSession, op_ids: list[str], *, worker_id: str, max_attempts: int, now: datetime
+) -> None:
+    """Queue again the ops this worker claimed and could not record (a failed engine step), or
+    give up on those tried `max_attempts` times."""
+    for op_id in op_ids:
+        op = db.get(Operation, op_id, options=[defer(Operation.payload)])
+        if op is None or op.status != OpStatus.RUNNING or op.worker_id != worker_id:
+            continue
+        if op.attempts >= max_attempts:
+            give_up(db, op, now)
+        else:
+            op.status = OpStatus.QUEUED
+
+
+def requeue_held_by(db: OrmSession, worker_ids: list[str]) -> None:
+    """What these workers were running never finished (they restarted or died): queue it
+    again, for whichever worker takes it next."""
+    db.execute(
+        update(Operation)
+        .where(Operation.status == OpStatus.RUNNING, Operation.worker_id.in_(worker_ids))
+        .values(status=OpStatus.QUEUED, worker_id=None)
+    )
