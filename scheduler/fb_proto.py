@@ -24,12 +24,11 @@ from gpu_worker import protocol as ep
 from scheduler import convert
 from treadle.proto import treadle_wire_pb2 as pb
 from treadle.types import ForwardBackwardRequest
-from treadle.wire import WireFormatError
+from treadle.wire import WireFormatError, parse_forward_backward_request
 from treadle.wire.forward_backward import (
     chunk_from_proto,
     first_error,
     loss_config_from_proto,
-    parse_forward_backward_request,
     read_dtype,
     spans_from_proto,
 )

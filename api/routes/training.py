@@ -99,9 +99,10 @@ def _decode_forward_backward(
     """What queues the op, and the payload to store: the protobuf as sent (zstd-compressed
     unless it came compressed), or the refusal of loss inputs that do not fit their datums.
 
-    A protobuf body is parsed but its tensors are never unpacked here: the checks read byte
-    lengths and shapes. A compressed body may expand to at most `max_bytes` (the request size
-    limit), checked while it is decompressed.
+    A protobuf body is parsed, but no value in it becomes a Python object here: the checks
+    read byte lengths, shapes and (for CSR tensors) index arrays through numpy. A compressed
+    body may expand to at most `max_bytes` (the request size limit), checked while it is
+    decompressed.
     """
     refusal: InvalidInput | None = None
     try:

@@ -21,6 +21,7 @@ from treadle.wire.forward_backward import (
     decode_forward_backward_request,
     encode_forward_backward_output,
     encode_forward_backward_request,
+    parse_forward_backward_request,
 )
 from treadle.wire.sample import decode_sample_response, encode_sample_response
 
@@ -36,4 +37,5 @@ __all__ = [
     "encode_forward_backward_output",
     "encode_forward_backward_request",
     "encode_sample_response",
+    "parse_forward_backward_request",
 ]
