@@ -25,7 +25,7 @@ from core.settings import Settings
 from core.tables import Operation, SamplingSession, TrainingRun, Worker
 from scheduler.notify import InProcessNotifier
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload
-from scheduler.submit import DONE, QUEUED, RUNNING, Submitted, submit, submit_training_op
+from scheduler.submit import Submitted, submit, submit_training_op
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
 from treadle.wire import encode_forward_backward_request
 
@@ -242,10 +242,10 @@ class Rows:
                 select(Operation).where(
                     Operation.target_id == run_id,
                     Operation.seq_id <= seq_id,
-                    Operation.status.in_((QUEUED, RUNNING)),
+                    Operation.status.in_(("queued", "running")),
                 )
             ):
-                op.status, op.finished_at = DONE, self.clock.now()
+                op.status, op.finished_at = "done", self.clock.now()
             run.executed_seq_id = max(run.executed_seq_id, seq_id)
 
     def op(self, request_id: str) -> Operation:

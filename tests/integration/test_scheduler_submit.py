@@ -14,7 +14,6 @@ from core.tables import Operation, TrainingRun
 from scheduler import submit as submit_module
 from scheduler.ops import OpKind, encode_json_payload
 from scheduler.submit import (
-    FAILED,
     RETRY_AFTER_SECONDS,
     UNLOAD_SEQ,
     Submitted,
@@ -230,7 +229,7 @@ def test_a_late_arrival_is_recorded_failed_at_once_as_a_user_error(rows: Rows) -
     late = rows.training_op(run, 3)
     assert not late.duplicate
     op = rows.op(late.request_id)
-    assert (op.status, op.error_category) == (FAILED, "user")
+    assert (op.status, op.error_category) == ("failed", "user")
     assert op.finished_at == rows.clock.now()
     assert op.error_message is not None
     assert "seq_id 3 reached the server after later requests" in op.error_message
