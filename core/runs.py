@@ -97,6 +97,11 @@ def count_step(run: TrainingRun) -> None:
     run.optim_steps += 1
 
 
+def set_steps(run: TrainingRun, steps: int) -> None:
+    """The run's engine now counts `steps` optimizer steps (it loaded a checkpoint)."""
+    run.optim_steps = steps
+
+
 def record_snapshot(run: TrainingRun, seq_id: int, uri: str) -> None:
     """The run's full state after op `seq_id` is saved at `uri`: replay starts there."""
     run.snapshot_seq_id, run.snapshot_uri = seq_id, uri

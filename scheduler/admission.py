@@ -24,10 +24,9 @@ from sqlalchemy.orm import Session as OrmSession
 from core import runs
 from core.clock import Clock
 from core.errors import QuotaExceeded
-from core.tables import Operation, Session, SessionStatus, TrainingRun
+from core.tables import Operation, OpStatus, Session, SessionStatus, TrainingRun
 from core.tenants import lock_tenant, resource_limits
 from scheduler.models import lora_parameters_per_rank
-from scheduler.submit import FAILED
 
 ADAPTER_PARTS = ("attn", "mlp", "unembed")
 
@@ -100,7 +99,9 @@ def _live_runs(
     """
     heard_since = clock.now() - timedelta(seconds=session_ttl_seconds)
     creation_failed = exists().where(
-        Operation.target_id == TrainingRun.id, Operation.seq_id == 0, Operation.status == FAILED
+        Operation.target_id == TrainingRun.id,
+        Operation.seq_id == 0,
+        Operation.status == OpStatus.FAILED,
     )
     rows = db.execute(
         select(TrainingRun.base_model, TrainingRun.lora_rank, TrainingRun.lora_config)

@@ -23,7 +23,7 @@ from core.db import Database
 from core.errors import ErrorCode, NotFound
 from core.ids import sampling_session_id
 from core.objectstore import ArtifactStore
-from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
+from core.tables import ModelVersion, Operation, OpStatus, SamplingSession, TrainingRun
 from gpu_worker import protocol as ep
 from scheduler import convert, fb_proto
 from scheduler.failures import OpFailure, Refused
@@ -36,7 +36,6 @@ from scheduler.ops import (
     decode_payload,
     refusal_of,
 )
-from scheduler.submit import DONE, FAILED
 from scheduler.task import FailedForwardBackward, Task
 from treadle.proto import treadle_wire_pb2 as pb
 from treadle.types import (
@@ -403,11 +402,11 @@ class Executor:
                 return
             # Follow the engine's step counter: the checkpoint's with the optimizer, else 0.
             if not payload["optimizer"]:
-                run.optim_steps = 0
+                runs.set_steps(run, 0)
             elif (
                 version := checkpoints.find_by_path(db, payload["path"])
             ) and version.step is not None:
-                run.optim_steps = version.step
+                runs.set_steps(run, version.step)
 
         return Outcome.json(
             LoadWeightsResponse(path=payload["path"], model_id=task.target_id), apply=apply
@@ -582,7 +581,7 @@ def _failed_in_window() -> Select[str, int | None, str, str | None, str | None, 
         .where(
             Operation.target_id == run_id,
             Operation.seq_id < seq_id,
-            Operation.status == DONE,
+            Operation.status == OpStatus.DONE,
             Operation.kind.in_(
                 (OpKind.OPTIM_STEP.value, OpKind.CREATE_MODEL.value, OpKind.LOAD_WEIGHTS.value)
             ),
@@ -605,7 +604,7 @@ def _failed_in_window() -> Select[str, int | None, str, str | None, str | None, 
             Operation.target_id == run_id,
             Operation.seq_id < seq_id,
             Operation.seq_id > func.coalesce(start, -1),
-            Operation.status == FAILED,
+            Operation.status == OpStatus.FAILED,
             Operation.started_at.is_not(None),
             Operation.kind.in_((OpKind.FORWARD_BACKWARD.value, OpKind.OPTIM_STEP.value)),
         )

@@ -10,9 +10,8 @@ from sqlalchemy.orm import Session as OrmSession
 
 from billing.tables import UsageEvent
 from core.errors import NotFound
-from core.tables import Operation, SamplingSession, TrainingRun
+from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
 from scheduler.failures import OpFailure
-from scheduler.submit import DONE, FAILED, QUEUED
 from treadle.types import QueueState
 
 
@@ -48,7 +47,7 @@ def read_future(
             f"request {request_id!r} not found; it was never submitted with this key's account"
         )
     status, result, codec, code, category, message, target_id = row
-    if status == DONE:
+    if status == OpStatus.DONE:
         # Read with the state, in the caller's transaction: the ledger rows are written in the
         # transaction that stores the result, so a done op's usage is complete here.
         usage = db.execute(
@@ -62,9 +61,9 @@ def read_future(
             result_codec=codec,
             usage={kind: int(quantity) for kind, quantity in usage},
         )
-    if status == FAILED:
+    if status == OpStatus.FAILED:
         return FutureState(done=True, failure=OpFailure.stored(code, category, message))
-    if placed and status == QUEUED:
+    if placed and status == OpStatus.QUEUED:
         holder = db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == target_id))
         if holder is None:
             holder = db.scalar(

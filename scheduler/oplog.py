@@ -49,6 +49,16 @@ def fail_queued(op: Operation, failure: OpFailure, now: datetime) -> None:
     failures.record(op, failure)
 
 
+def queued_samples(db: OrmSession) -> int:
+    """Sampling requests waiting for an engine, all tenants together (the sampling queue)."""
+    waiting = (
+        select(func.count())
+        .select_from(Operation)
+        .where(Operation.status == OpStatus.QUEUED, Operation.kind == OpKind.SAMPLE.value)
+    )
+    return db.scalar(waiting) or 0
+
+
 # --- claiming ---------------------------------------------------------------------------------
 
 

@@ -16,9 +16,8 @@ from sqlalchemy import and_, or_, select
 
 from core.db import Database
 from core.objectstore import ArtifactStore
-from core.tables import Operation, TrainingRun
+from core.tables import Operation, OpStatus, TrainingRun
 from scheduler.ops import OpKind
-from scheduler.submit import DONE, FAILED
 from scheduler.task import Task
 
 if TYPE_CHECKING:
@@ -47,11 +46,11 @@ def restore_run(
             .where(
                 Operation.target_id == run_id,
                 or_(
-                    Operation.status == DONE,
+                    Operation.status == OpStatus.DONE,
                     # A step that failed for the user's reasons may have discarded gradients
                     # (refused after a failed forward_backward, or not finite): replay it too.
                     and_(
-                        Operation.status == FAILED,
+                        Operation.status == OpStatus.FAILED,
                         Operation.kind == OpKind.OPTIM_STEP.value,
                         Operation.error_category == "user",
                         Operation.started_at.is_not(None),

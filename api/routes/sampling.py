@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from sqlalchemy import func, select
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses
 from api.ops import check_base_model, require_session
 from core import checkpoints, runs
 from core.errors import InvalidInput, RateLimited
-from core.tables import ModelPackage, ModelVersion, Operation
+from core.tables import ModelPackage, ModelVersion
+from scheduler import oplog
 from scheduler.ops import OpKind, encode_json_payload
-from scheduler.submit import QUEUED, submit
+from scheduler.submit import submit
 from treadle.types import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -107,14 +107,7 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
                 state.clock,
                 sampler.model_path,
             )
-        queued = (
-            db.scalar(
-                select(func.count())
-                .select_from(Operation)
-                .where(Operation.status == QUEUED, Operation.kind == OpKind.SAMPLE.value)
-            )
-            or 0
-        )
+        queued = oplog.queued_samples(db)
         if queued >= state.settings.max_queued_samples:
             # Backpressure: the tinker SDK waits and resubmits the same seq_id.
             raise RateLimited(
