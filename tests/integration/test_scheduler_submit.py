@@ -4,10 +4,12 @@ concurrent-twin race, queue limits, and requests that arrive after their gap was
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from core.errors import InvalidInput, NotFound, RateLimited
 from core.tables import Operation, TrainingRun
@@ -42,13 +44,21 @@ def _count(rows: Rows, target_id: str, seq_id: int) -> int:
         )
 
 
-def _submit(rows: Rows, run_id: str, seq_id: int, *, tenant_id: str | None = None) -> Submitted:
-    """`submit` as the API calls it for a training op, optionally in another tenant's name."""
+def _submit(
+    rows: Rows,
+    run_id: str,
+    seq_id: int,
+    *,
+    tenant_id: str | None = None,
+    before_commit: Callable[[Submitted], None] = lambda _: None,
+) -> Submitted:
+    """`submit` as the API calls it for a training op, optionally in another tenant's name;
+    `before_commit` sees the answer while its transaction is still open."""
     payload, codec = encode_json_payload({"seq_id": seq_id})
     with rows.database.transaction() as db:
         run = db.get(TrainingRun, run_id)
         assert run is not None
-        return submit(
+        submitted = submit(
             db,
             rows.clock,
             tenant_id=tenant_id or run.tenant_id,
@@ -60,6 +70,24 @@ def _submit(rows: Rows, run_id: str, seq_id: int, *, tenant_id: str | None = Non
             payload_codec=codec,
             next_in_order=True,
         )
+        before_commit(submitted)
+        return submitted
+
+
+def _a_backend_waits_on_a_lock(rows: Rows, seconds: float = 10.0) -> bool:
+    """Whether another PostgreSQL session of this database is (or soon is) waiting on a lock."""
+    waiting = text(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    deadline = time.monotonic() + seconds
+    with rows.database.engine.connect() as connection:
+        while time.monotonic() < deadline:
+            if connection.execute(waiting).scalar_one():
+                return True
+            connection.rollback()  # a fresh snapshot of the statistics on each look
+            time.sleep(0.01)
+    return False
 
 
 def test_a_resubmission_returns_the_original_request(rows: Rows) -> None:
@@ -140,9 +168,9 @@ def test_concurrent_twins_insert_one_row_and_share_its_request_id(
     """Two transactions submit the same (target_id, seq_id) at the same moment.
 
     PostgreSQL: a barrier right after the dedupe check holds each until both have looked and
-    found nothing; both then insert, and the unique index admits one. The other's insert waits
-    on the index until the winner commits (or fails at once if it already has), is undone by
-    its savepoint, and answers with the winner's request id.
+    found nothing; both then insert, and the unique index admits one. The winner holds its
+    commit until the other's insert is seen waiting on the index; once the winner commits, that
+    insert fails, is undone by its savepoint, and answers with the winner's request id.
 
     SQLite: a write transaction holds the database's write lock from BEGIN, so the twins
     cannot both look before either commits (a barrier there would deadlock). They start
@@ -169,10 +197,15 @@ def test_concurrent_twins_insert_one_row_and_share_its_request_id(
         return found
 
     monkeypatch.setattr(submit_module, "_existing", existing)
+    loser_waited: list[bool] = []
+
+    def hold_the_commit(submitted: Submitted) -> None:
+        if concurrent_looks and not submitted.duplicate:
+            loser_waited.append(_a_backend_waits_on_a_lock(rows))
 
     def twin() -> Submitted:
         start.wait()
-        return _submit(rows, run, 1)
+        return _submit(rows, run, 1, before_commit=hold_the_commit)
 
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(twin), pool.submit(twin)]
@@ -184,6 +217,7 @@ def test_concurrent_twins_insert_one_row_and_share_its_request_id(
     if concurrent_looks:
         # Both looked and found nothing; the loser looked again after its insert was refused.
         assert looks == [False, False, True]
+        assert loser_waited == [True]
     else:
         assert looks == [False, True]
 
