@@ -2,9 +2,10 @@
 scheduler's functions directly (no HTTP, no app).
 
 Tenants, sessions, training runs, samplers and operations are created by the functions the API
-calls (`core.tenants`, `core.sessions`, `core.runs`, `scheduler.submit`). Workers are the
-exception: their one write path is `WorkerHost.register`, which needs an engine, so
-`Rows.worker` writes the row itself, with only the columns placement reads.
+calls (`core.tenants`, `core.sessions`, `core.runs`, `scheduler.submit`). Two things are
+written here instead, because their write paths need an engine: a worker's row
+(`WorkerHost.register`; `Rows.worker` writes only the columns placement reads) and an op's
+recorded end (`WorkerHost._store`; `Rows.executed` marks ops done and advances their run).
 """
 
 from __future__ import annotations
