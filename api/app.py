@@ -33,7 +33,6 @@ from api.routes import (
 )
 from core import sessions as session_service
 from core.clock import Clock, SystemClock
-from core.db import Database
 from core.objectstore import LocalArtifactStore
 from core.settings import Mode, Settings
 from scheduler.dispatch import CeleryDispatcher, Dispatcher
@@ -51,12 +50,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     """
     settings = settings or Settings()
     clock = clock or SystemClock()
-    if settings.database_url is None:
-        settings.ensure_data_dir()  # first, so the SQLite file is made private in it
-    database = Database(settings.resolved_database_url)
-    if settings.database_url is None:
-        dbschema.upgrade(database)
-    dbschema.require_head(database)
+    database = dbschema.open_database(settings)
     store = LocalArtifactStore(settings.resolved_artifact_url)
     notifier: Notifier
     dispatcher: Dispatcher

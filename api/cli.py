@@ -47,13 +47,7 @@ def _fail(message: str) -> typer.Exit:
 def _database(settings: Settings) -> Database:
     from api import dbschema
 
-    if settings.database_url is None:
-        settings.ensure_data_dir()  # first, so the SQLite file is made private in it
-    database = Database(settings.resolved_database_url)
-    if settings.database_url is None:
-        dbschema.upgrade(database)
-    dbschema.require_head(database)
-    return database
+    return dbschema.open_database(settings)
 
 
 @app.command()
@@ -79,9 +73,7 @@ def serve(
     # The port is tried before anything else (the key above all): a server that cannot listen
     # must not make a key nor print one. It stays held until uvicorn binds it.
     probe = _bind(settings.host, settings.port)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _logging()
     try:
         application = create_app(settings)
         default = default_key(settings, application.state.treadle.database, SystemClock())

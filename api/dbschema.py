@@ -15,6 +15,7 @@ from alembic.script import ScriptDirectory
 
 from core.db import Database
 from core.errors import DatabaseNotMigrated
+from core.settings import Settings
 
 
 def alembic_config(url: str) -> Config:
@@ -55,3 +56,16 @@ def require_head(db: Database) -> None:
             f"the database {db.engine.url.render_as_string(hide_password=True)} {state}, "
             f"but this server needs revision {head}; run `treadle-server migrate` first"
         )
+
+
+def open_database(settings: Settings) -> Database:
+    """The settings' database, ready for use. The embedded SQLite file (no database URL set)
+    belongs to Treadle: it is made private and upgraded here. Any other database must already
+    be at the head revision (`treadle-server migrate`)."""
+    if settings.database_url is None:
+        settings.ensure_data_dir()  # first, so the SQLite file is made private in it
+    database = Database(settings.resolved_database_url)
+    if settings.database_url is None:
+        upgrade(database)
+    require_head(database)
+    return database

@@ -82,7 +82,7 @@ def open_run(
     as the run's seq 0; also returns the worker assigned to run it (see `Dispatcher.assign`). A retried creation answers with the same run and request, even when the
     tenant's limits would refuse a new run now."""
     require_session(db, state, principal, session_id)
-    check_rank(db, principal, int(lora_config.get("rank", 32)))
+    check_rank(db, principal, runs.lora_rank(lora_config))
     admit_training_run(
         db,
         state.clock,

@@ -11,6 +11,7 @@ transaction. Every read here is scoped by tenant.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +22,14 @@ from core.clock import Clock
 from core.errors import InvalidInput, NotFound
 from core.ids import sampling_session_id, training_run_id
 from core.tables import RunStatus, SamplingSession, TrainingRun
+
+# The adapter a create_model without a LoRA config gets; a config without a rank gets this rank.
+DEFAULT_LORA_RANK = 32
+
+
+def lora_rank(lora_config: Mapping[str, Any]) -> int:
+    return int(lora_config.get("rank", DEFAULT_LORA_RANK))
+
 
 # A run in one of these holds (or is about to hold) memory on the worker placed for it.
 HOLDING = (RunStatus.PENDING, RunStatus.ACTIVE)
@@ -53,7 +62,7 @@ def create_training_run(
         session_id=session_id,
         model_seq_id=model_seq_id,
         base_model=base_model,
-        lora_rank=int(lora_config.get("rank", 0)),
+        lora_rank=lora_rank(lora_config),
         lora_config=lora_config,
         user_metadata=user_metadata,
         status=RunStatus.PENDING,

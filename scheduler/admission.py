@@ -76,7 +76,7 @@ def admit_training_run(
         return 0 if per_rank is None else lora_parameters(rank, config, per_rank)
 
     in_use = sum(size(model, rank, config) for model, rank, config in alive)
-    rank = int(lora_config.get("rank", 32))
+    rank = runs.lora_rank(lora_config)
     needed = size(base_model, rank, lora_config)
     if in_use + needed > limits.max_lora_parameters:
         parts = ", ".join(trained_parts(lora_config)) or "no parts"

@@ -33,15 +33,13 @@ MAX_DENSE_ENTRIES = 1 << 24
 # The second dimension of a 2-D loss input is a top-K width (distillation targets).
 MAX_TOP_K = 1024
 
-# LoRA scaling is alpha / rank; Treadle fixes alpha so that changing the rank does not rescale
-# the update (the same convention the engine's defaults use).
-LORA_ALPHA = 32.0
-
 
 def lora_spec(config: dict[str, Any]) -> ep.LoraSpec:
     return ep.LoraSpec(
         rank=int(config["rank"]),
-        alpha=float(config.get("alpha", LORA_ALPHA)),
+        # Unless the config names one, the engine's alpha (fixed, so that changing the rank
+        # does not rescale the update).
+        alpha=float(config.get("alpha", ep.LoraSpec.alpha)),
         seed=int(config.get("seed") or 0),
         train_attn=bool(config.get("train_attn", True)),
         train_mlp=bool(config.get("train_mlp", True)),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,9 +26,6 @@ if TYPE_CHECKING:
     from scheduler.worker_host import WorkerHost
 
 log = logging.getLogger(__name__)
-
-# How often an idle engine looks for runs whose sessions ended, to free their memory.
-EVICT_EVERY_SECONDS = 15.0
 
 
 class Dispatcher(Protocol):
@@ -112,13 +108,9 @@ class EmbeddedDispatcher:
             return
         self._host = host
         self._ready.set()
-        last_eviction = time.monotonic()
         while not self._stop.is_set():
             try:
-                done = host.step()
-                if time.monotonic() - last_eviction > EVICT_EVERY_SECONDS:
-                    host.evict_ended()
-                    last_eviction = time.monotonic()
+                done = host.work()
             except Exception:
                 log.exception("engine step failed")
                 done = 0

@@ -20,22 +20,17 @@ def embedded_dispatcher(
 ) -> EmbeddedDispatcher:
     def build_host() -> WorkerHost:
         # Imported here, on the engine thread: the API process must not load torch at import.
-        from scheduler.worker_host import WorkerHost, build_engine
+        from scheduler.worker_host import start_host
 
-        engine = build_engine(settings)
-        host = WorkerHost(
+        return start_host(
+            settings,
             database,
             clock,
-            engine,
             store,
             notifier,
             worker_id="embedded",
-            gap_timeout_seconds=settings.gap_timeout_seconds,
-            snapshot_every_steps=settings.snapshot_every_steps,
-            max_attempts=settings.max_op_attempts,
-            max_request_bytes=settings.max_request_bytes,
+            models=settings.models,
+            distributed=False,
         )
-        host.register(settings.models, store)
-        return host
 
     return EmbeddedDispatcher(build_host)

@@ -57,6 +57,43 @@ def build_engine(settings: Settings, preload: list[str] | None = None) -> Engine
     )
 
 
+def start_host(
+    settings: Settings,
+    database: Database,
+    clock: Clock,
+    store: ArtifactStore,
+    notifier: Notifier,
+    *,
+    worker_id: str,
+    models: list[str],
+    distributed: bool,
+) -> WorkerHost:
+    """The engine and its host for one process, registered as worker `worker_id`.
+
+    A distributed worker loads its models now and runs only the runs placed on it; the
+    embedded engine loads each model on first use (the server starts at once) and runs all.
+    """
+    host = WorkerHost(
+        database,
+        clock,
+        build_engine(settings, preload=models if distributed else None),
+        store,
+        notifier,
+        worker_id=worker_id,
+        gap_timeout_seconds=settings.gap_timeout_seconds,
+        snapshot_every_steps=settings.snapshot_every_steps,
+        max_attempts=settings.max_op_attempts,
+        max_request_bytes=settings.max_request_bytes,
+        owned_only=distributed,
+        lease_seconds=settings.worker_lease_seconds,
+    )
+    host.register(models, store)
+    return host
+
+
+# How often the engine looks for runs whose sessions ended, to free their memory.
+EVICT_EVERY_SECONDS = 15.0
+
 TOKENIZER_FILES = frozenset(
     {
         "tokenizer.json",
@@ -113,6 +150,7 @@ class WorkerHost:
         self.max_attempts = max_attempts
         self._lock = threading.Lock()
         self._gaps_checked_at = 0.0
+        self._evicted_at = time.monotonic()
         self._unrecorded: dict[str, Task] = {}  # claimed by the current step, not yet recorded
         self.executor = Executor(
             engine, store, database, clock, max_request_bytes=max_request_bytes
@@ -183,6 +221,15 @@ class WorkerHost:
             while done := self.step():
                 total += done
         return total
+
+    def work(self) -> int:
+        """What a worker's loop does each time it wakes or polls: run everything ready, and
+        every EVICT_EVERY_SECONDS free the runs whose sessions ended. Returns ops claimed."""
+        done = self.drain()
+        if time.monotonic() - self._evicted_at >= EVICT_EVERY_SECONDS:
+            self._evicted_at = time.monotonic()
+            self.evict_ended()
+        return done
 
     def evict_ended(self) -> list[str]:
         """Drop runs and samplers whose session ended or that moved away, freeing their memory.

@@ -30,29 +30,23 @@ def default_worker_id(device: str) -> str:
 
 
 def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None:
-    from scheduler.worker_host import WorkerHost, build_engine
+    from scheduler.worker_host import start_host
 
     clock = SystemClock()
     database = Database(settings.resolved_database_url)
     store = LocalArtifactStore(settings.resolved_artifact_url)
     assert settings.redis_url is not None
     notifier = RedisNotifier(settings.redis_url)
-    engine = build_engine(settings, preload=models)
-    host = WorkerHost(
+    host = start_host(
+        settings,
         database,
         clock,
-        engine,
         store,
         notifier,
         worker_id=worker_id,
-        gap_timeout_seconds=settings.gap_timeout_seconds,
-        snapshot_every_steps=settings.snapshot_every_steps,
-        max_attempts=settings.max_op_attempts,
-        max_request_bytes=settings.max_request_bytes,
-        owned_only=True,
-        lease_seconds=settings.worker_lease_seconds,
+        models=models,
+        distributed=True,
     )
-    host.register(models, store)
     install_host(host)
     stop = threading.Event()
 
@@ -70,13 +64,9 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
                 os._exit(3)
 
     def poll() -> None:
-        ticks = 0
         while not stop.wait(POLL_SECONDS):
-            ticks += 1
             try:
-                host.drain()
-                if ticks % 15 == 0:
-                    host.evict_ended()
+                host.work()
             except Exception:
                 log.exception("worker poll failed; continuing")
 
@@ -88,7 +78,7 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
         "worker %s serving %s on %s, queue %s",
         worker_id,
         models,
-        engine.device,
+        host.engine.device,
         worker_queue(worker_id),
     )
     try:

@@ -55,7 +55,7 @@ def create_model(
             f"optimizer {body.optimizer_config.type!r} is not supported; use adamw",
             code=ErrorCode.UNSUPPORTED,
         )
-    lora = body.lora_config.model_dump() if body.lora_config else {"rank": 32}
+    lora = body.lora_config.model_dump() if body.lora_config else {"rank": runs.DEFAULT_LORA_RANK}
     with state.database.transaction() as db:
         run, submitted, worker = open_run(
             db,

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session as OrmSession
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS
 from api.ops import check_base_model, open_run, submit_json_op
-from core import checkpoints
+from core import checkpoints, runs
 from core.errors import ErrorCode, InvalidInput
 from core.tables import ModelPackage, ModelVersion, TrainingRun
 from scheduler.ops import OpKind
@@ -209,7 +209,7 @@ def load_weights(
             session_id=body.session_id,
             model_seq_id=body.model_seq_id,
             base_model=base_model,
-            lora_config=dict(version.lora_config or {"rank": 32}),
+            lora_config=dict(version.lora_config or {"rank": runs.DEFAULT_LORA_RANK}),
             user_metadata=body.user_metadata,
             kind=OpKind.LOAD_WEIGHTS,
             payload=_load_payload(version, base_model, body),
