@@ -2,10 +2,10 @@
 scheduler's functions directly (no HTTP, no app).
 
 Tenants, sessions, training runs, samplers and operations are created by the functions the API
-calls (`core.tenants`, `core.sessions`, `core.runs`, `scheduler.submit`). Two things are
-written here instead, because their write paths need an engine: a worker's row
-(`WorkerHost.register`; `Rows.worker` writes only the columns placement reads) and an op's
-recorded end (`WorkerHost._store`; `Rows.executed` marks ops done and advances their run).
+calls (`core.tenants`, `core.sessions`, `core.runs`, `scheduler.submit`), and workers by
+`scheduler.workers`. One thing is written here instead: an op's recorded end, whose write path
+(the worker host's) needs an engine and an executed op; `Rows.executed` marks ops done itself
+and advances their run through `core.runs`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from core.clock import Clock, FakeClock
 from core.db import Database
 from core.objectstore import LocalArtifactStore
 from core.settings import Settings
-from core.tables import Operation, SamplingSession, TrainingRun, Worker
+from core.tables import Operation, SamplingSession, TrainingRun
+from scheduler import workers
 from scheduler.notify import InProcessNotifier
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload
 from scheduler.submit import Submitted, submit, submit_training_op
@@ -171,27 +172,23 @@ class Rows:
             ).id
 
     def worker(
-        self,
-        worker_id: str,
-        models: list[str],
-        *,
-        status: str = "live",
-        lease_seconds: float = 15.0,
+        self, worker_id: str, models: list[str], *, lease_seconds: float = 15.0, dead: bool = False
     ) -> None:
-        """A registered worker serving `models`, its lease ending `lease_seconds` from now."""
+        """A worker registered now serving `models`, its lease ending `lease_seconds` from now;
+        `dead` registers it with a lapsed lease and declares it (and any other lapsed) dead,
+        as beat does."""
         now = self.clock.now()
         with self.database.transaction() as db:
-            db.add(
-                Worker(
-                    id=worker_id,
-                    hostname="test",
-                    device="cpu",
-                    models=[{"name": name} for name in models],
-                    status=status,
-                    lease_expires_at=now + timedelta(seconds=lease_seconds),
-                    registered_at=now,
-                )
+            workers.register(
+                db,
+                worker_id,
+                device="cpu",
+                models=[{"name": name} for name in models],
+                lease_until=now + timedelta(seconds=-1 if dead else lease_seconds),
+                now=now,
             )
+            if dead:
+                assert worker_id in workers.declare_dead_lapsed(db, now)
 
     def training_op(
         self,
@@ -247,7 +244,7 @@ class Rows:
                 )
             ):
                 op.status, op.finished_at = "done", self.clock.now()
-            run.executed_seq_id = max(run.executed_seq_id, seq_id)
+            runs.advance(run, seq_id, self.clock.now())
 
     def op(self, request_id: str) -> Operation:
         with self.database.reader() as db:

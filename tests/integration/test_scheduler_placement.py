@@ -79,7 +79,7 @@ def test_an_alias_is_placed_on_a_worker_serving_the_model_it_names(
 
 
 def test_dead_and_lapsed_workers_are_skipped(rows: Rows, settings: Settings) -> None:
-    rows.worker("w-a", [MODEL], status="dead")
+    rows.worker("w-a", [MODEL], dead=True)
     rows.worker("w-b", [MODEL], lease_seconds=-1)
     rows.worker("w-c", [MODEL], lease_seconds=0)  # a lease ends at its expiry time
     rows.worker("w-d", [MODEL])
@@ -120,7 +120,7 @@ def test_nothing_is_placed_while_no_live_worker_serves_the_model(
     run, sampler = rows.run(tenant), rows.sampler(tenant)
     assert _place(rows, settings, run) is None  # no workers at all
     rows.worker("w-a", [OTHER])
-    rows.worker("w-b", [MODEL], status="dead")
+    rows.worker("w-b", [MODEL], dead=True)
     assert _place(rows, settings, run) is None
     assert _place(rows, settings, sampler) is None
     assert _holder(rows, run) is None and _holder(rows, sampler) is None
