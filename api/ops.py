@@ -77,9 +77,9 @@ def open_run(
     user_metadata: dict[str, Any] | None,
     kind: OpKind,
     payload: dict[str, Any],
-) -> tuple[TrainingRun, Submitted, str | None]:
+) -> tuple[TrainingRun, Submitted]:
     """Create a training run and submit the op that brings it to life (create_model, or a load),
-    as the run's seq 0; also returns the worker assigned to run it (see `Dispatcher.assign`). A retried creation answers with the same run and request, even when the
+    as the run's seq 0. A retried creation answers with the same run and request, even when the
     tenant's limits would refuse a new run now."""
     require_session(db, state, principal, session_id)
     check_rank(db, principal, runs.lora_rank(lora_config))
@@ -115,33 +115,58 @@ def open_run(
         payload=data,
         payload_codec=codec,
     )
-    return run, submitted, state.dispatcher.assign(db, run.id)
+    return run, submitted
 
 
-def submit_json_op(
+Work = Callable[[OrmSession], tuple[str, Submitted]]
+"""A route's checks and submit, in the submitting transaction: returns the target's id (a
+training run or sampling session) and what was submitted."""
+
+
+def in_submission(state: AppState, work: Work) -> tuple[str, Submitted]:
+    """The one way a route submits an op: `work` runs in one write transaction, the target's
+    worker is assigned in it, and woken once it committed."""
+    with state.database.transaction() as db:
+        target_id, submitted = work(db)
+        worker = state.dispatcher.assign(db, target_id)
+    state.dispatcher.wake(worker)
+    return target_id, submitted
+
+
+Payload = (
+    tuple[bytes, str] | dict[str, object] | Callable[[OrmSession, TrainingRun], dict[str, object]]
+)
+"""An op's payload: stored bytes and their codec, a JSON object, or a function that checks the
+request against the run and builds the JSON object."""
+
+
+def submit_to_run(
     state: AppState,
     principal: Principal,
     model_id: str,
     seq_id: int,
     kind: OpKind,
-    payload: dict[str, object] | Callable[[OrmSession, TrainingRun], dict[str, object]],
+    payload: Payload,
 ) -> UntypedAPIFuture:
-    """Submit an op on the caller's run. `payload` may be a function that checks the request
-    against the run and builds the payload; if it refuses the request, the op is still queued —
-    it fails through its future in the run's order — so the client's next seq_id never waits
-    for one that will not come."""
-    with state.database.transaction() as db:
+    """Submit an op on the caller's run, in the run's order. If `payload` is a function that
+    refuses the request, the op is still queued — it fails through its future in the run's
+    order — so the client's next seq_id never waits for one that will not come."""
+
+    def work(db: OrmSession) -> tuple[str, Submitted]:
         run = active_run(db, state, principal, model_id)
-        try:
-            content = payload(db, run) if callable(payload) else payload
-        except TreadleError as exc:
-            if exc.category != "user" or isinstance(exc, SessionExpired):
-                raise
-            content = refused(exc.message, exc.code)
-        data, codec = encode_json_payload(content)
-        submitted = submit_training_op(
+        if isinstance(payload, tuple):
+            data, codec = payload
+        else:
+            try:
+                content = payload(db, run) if callable(payload) else payload
+            except TreadleError as exc:
+                if exc.category != "user" or isinstance(exc, SessionExpired):
+                    raise
+                content = refused(exc.message, exc.code)
+            data, codec = encode_json_payload(content)
+        return run.id, submit_training_op(
             db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data, payload_codec=codec
         )
-        worker = state.dispatcher.assign(db, run.id)
-    state.dispatcher.wake(worker)
+
+    _, submitted = in_submission(state, work)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=model_id)

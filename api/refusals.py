@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from api.deps import AppState
-from api.ops import submit_json_op
+from api.ops import submit_to_run
 from core import apikeys
 from core.errors import ErrorCode, TreadleError
 from scheduler.ops import OpKind, refused
@@ -52,7 +52,7 @@ def keep_place(state: AppState, path: str, api_key: str | None, body: Any, messa
             **refused(message, ErrorCode.INVALID_INPUT),
             "forward_only": body.get("forward_only") is True,
         }
-        submit_json_op(state, principal, model_id, seq_id, kind, content)
+        submit_to_run(state, principal, model_id, seq_id, kind, content)
     except TreadleError:
         return
     log.info(

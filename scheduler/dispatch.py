@@ -110,13 +110,12 @@ class EmbeddedDispatcher:
         self._ready.set()
         while not self._stop.is_set():
             try:
-                done = host.work()
+                host.work()  # until nothing is ready
             except Exception:
                 log.exception("engine step failed")
-                done = 0
-            if not done:
-                self._wake.wait(self._idle_poll)
-                self._wake.clear()
+            # A wake-up that came after work() last looked is still set: no wait then.
+            self._wake.wait(self._idle_poll)
+            self._wake.clear()
 
 
 class CeleryDispatcher:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses
-from api.ops import check_base_model, require_session
+from api.ops import check_base_model, in_submission, require_session
 from core import checkpoints, runs
 from core.errors import InvalidInput, RateLimited
 from core.tables import ModelPackage, ModelVersion
 from scheduler import oplog
 from scheduler.ops import OpKind, encode_json_payload
-from scheduler.submit import submit
+from scheduler.submit import Submitted, submit
 from treadle.types import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -95,8 +96,11 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
         raise InvalidInput(
             f"num_samples {body.num_samples} is outside 1..{MAX_NUM_SAMPLES}; split larger requests"
         )
-    with state.database.transaction() as db:
-        sampler = runs.get_sampling_session(db, principal.tenant_id, body.sampling_session_id)
+
+    sampler_id = body.sampling_session_id
+
+    def work(db: OrmSession) -> tuple[str, Submitted]:
+        sampler = runs.get_sampling_session(db, principal.tenant_id, sampler_id)
         require_session(db, state, principal, sampler.session_id)
         if sampler.model_version_id is not None:
             # Access to saved weights can end after the session was created (deleted,
@@ -126,8 +130,9 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
             payload=payload,
             payload_codec=codec,
         )
-        worker = state.dispatcher.assign(db, sampler.id)
-    state.dispatcher.wake(worker)
+        return sampler.id, submitted
+
+    _, submitted = in_submission(state, work)
     return UntypedAPIFuture(
         request_id=submitted.request_id,
         sample_sequence_ids=[f"{submitted.request_id}:{i}" for i in range(body.num_samples)],

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses, raw_request_body
-from api.ops import active_run, check_base_model, open_run, submit_json_op
+from api.ops import check_base_model, in_submission, open_run, submit_to_run
 from api.validation import clip, describe
 from core import runs
 from core.errors import ErrorCode, InvalidInput, PayloadTooLarge
@@ -19,7 +19,7 @@ from scheduler.convert import check_request_shapes
 from scheduler.fb_proto import Submission
 from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload, refused
-from scheduler.submit import submit_training_op
+from scheduler.submit import Submitted
 from treadle.types import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -56,8 +56,9 @@ def create_model(
             code=ErrorCode.UNSUPPORTED,
         )
     lora = body.lora_config.model_dump() if body.lora_config else {"rank": runs.DEFAULT_LORA_RANK}
-    with state.database.transaction() as db:
-        run, submitted, worker = open_run(
+
+    def work(db: OrmSession) -> tuple[str, Submitted]:
+        run, submitted = open_run(
             db,
             state,
             principal,
@@ -69,8 +70,10 @@ def create_model(
             kind=OpKind.CREATE_MODEL,
             payload={"base_model": body.base_model, "lora_config": lora},
         )
-    state.dispatcher.wake(worker)
-    return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
+        return run.id, submitted
+
+    run_id, submitted = in_submission(state, work)
+    return UntypedAPIFuture(request_id=submitted.request_id, model_id=run_id)
 
 
 @router.post(
@@ -170,31 +173,14 @@ async def forward_backward(
         state.settings.max_request_bytes,
     )
     return await run_in_threadpool(
-        _submit_forward_backward, state, principal, decoded, payload, codec
+        submit_to_run,
+        state,
+        principal,
+        decoded.model_id,
+        decoded.seq_id,
+        OpKind.FORWARD_BACKWARD,
+        (payload, codec),
     )
-
-
-def _submit_forward_backward(
-    state: State,
-    principal: CurrentPrincipal,
-    decoded: Submission,
-    payload: bytes,
-    codec: str,
-) -> UntypedAPIFuture:
-    with state.database.transaction() as db:
-        run = active_run(db, state, principal, decoded.model_id)
-        submitted = submit_training_op(
-            db,
-            state.clock,
-            run=run,
-            seq_id=decoded.seq_id,
-            kind=OpKind.FORWARD_BACKWARD,
-            payload=payload,
-            payload_codec=codec,
-        )
-        worker = state.dispatcher.assign(db, run.id)
-    state.dispatcher.wake(worker)
-    return UntypedAPIFuture(request_id=submitted.request_id, model_id=decoded.model_id)
 
 
 @router.post(
@@ -218,7 +204,7 @@ def optim_step(
             )
         return body.model_dump(mode="json", exclude_none=True)
 
-    return submit_json_op(state, principal, body.model_id, body.seq_id, OpKind.OPTIM_STEP, payload)
+    return submit_to_run(state, principal, body.model_id, body.seq_id, OpKind.OPTIM_STEP, payload)
 
 
 @router.post(
@@ -231,4 +217,4 @@ def unload_model(
     body: UnloadModelRequest, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:
     """Frees the run's memory once every request submitted before it has run."""
-    return submit_json_op(state, principal, body.model_id, UNLOAD_SEQ, OpKind.UNLOAD_MODEL, {})
+    return submit_to_run(state, principal, body.model_id, UNLOAD_SEQ, OpKind.UNLOAD_MODEL, {})

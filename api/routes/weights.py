@@ -9,11 +9,12 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS
-from api.ops import check_base_model, open_run, submit_json_op
+from api.ops import check_base_model, in_submission, open_run, submit_to_run
 from core import checkpoints, runs
 from core.errors import ErrorCode, InvalidInput
 from core.tables import ModelPackage, ModelVersion, TrainingRun
 from scheduler.ops import OpKind
+from scheduler.submit import Submitted
 from treadle.types import (
     LoadWeightsRequest,
     SaveWeightsExternalRequest,
@@ -31,7 +32,7 @@ def _new_checkpoint(
     overwrite: bool = False,
 ) -> Callable[[OrmSession, TrainingRun], dict[str, object]]:
     """The op's payload, once the name, TTL and path are acceptable. A refusal still takes the
-    request's place in the run's order and fails through its future (see submit_json_op)."""
+    request's place in the run's order and fails through its future (see submit_to_run)."""
 
     def payload(db: OrmSession, run: TrainingRun) -> dict[str, object]:
         checkpoints.check_ttl(body.ttl_seconds)
@@ -65,7 +66,7 @@ def save_weights(
     body: SaveWeightsRequest, principal: CurrentPrincipal, state: State
 ) -> UntypedAPIFuture:
     """Adapter and optimizer state, resumable with load_weights(optimizer=True)."""
-    return submit_json_op(
+    return submit_to_run(
         state,
         principal,
         body.model_id,
@@ -100,7 +101,7 @@ def save_weights_for_sampler(
             )
         return check_name_and_ttl(db, run)
 
-    return submit_json_op(
+    return submit_to_run(
         state,
         principal,
         body.model_id,
@@ -130,7 +131,7 @@ def save_weights_external(
             )
         return check_name_and_ttl(db, run)
 
-    return submit_json_op(
+    return submit_to_run(
         state,
         principal,
         body.model_id,
@@ -187,7 +188,7 @@ def load_weights(
                 )
             return _load_payload(version, base_model, body)
 
-        return submit_json_op(
+        return submit_to_run(
             state,
             principal,
             body.model_id,
@@ -197,12 +198,14 @@ def load_weights(
         )
 
     assert body.session_id is not None and body.model_seq_id is not None
-    with state.database.transaction() as db:
+
+    def work(db: OrmSession) -> tuple[str, Submitted]:
         version, base_model = _loadable(db, state, principal, body)
         if body.base_model is not None and body.base_model != base_model:
             raise InvalidInput(f"{body.path} was trained on {base_model}, not {body.base_model}")
         check_base_model(state, base_model)
-        run, submitted, worker = open_run(
+        assert body.session_id is not None and body.model_seq_id is not None
+        run, submitted = open_run(
             db,
             state,
             principal,
@@ -214,5 +217,7 @@ def load_weights(
             kind=OpKind.LOAD_WEIGHTS,
             payload=_load_payload(version, base_model, body),
         )
-    state.dispatcher.wake(worker)
-    return UntypedAPIFuture(request_id=submitted.request_id, model_id=run.id)
+        return run.id, submitted
+
+    run_id, submitted = in_submission(state, work)
+    return UntypedAPIFuture(request_id=submitted.request_id, model_id=run_id)
