@@ -17,8 +17,6 @@ from core.settings import Settings
 from core.tables import SamplingSession, TrainingRun, Worker
 from scheduler import workers
 
-live_workers = workers.live
-
 
 def _serves(worker: Worker, model: str) -> bool:
     return any(entry["name"] == model for entry in worker.models)

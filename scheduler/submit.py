@@ -18,16 +18,14 @@ from core import runs
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound, RateLimited
 from core.ids import new_request_id
-from core.tables import Operation, OpStatus, TrainingRun
+from core.tables import Operation, TrainingRun
 from core.tenants import lock_tenant, resource_limits
 from scheduler import oplog
 from scheduler.failures import OpFailure
-from scheduler.oplog import UNLOAD_SEQ as UNLOAD_SEQ
 from scheduler.ops import OpKind
 
 log = logging.getLogger(__name__)
 
-QUEUED, RUNNING, DONE, FAILED = OpStatus.QUEUED, OpStatus.RUNNING, OpStatus.DONE, OpStatus.FAILED
 # What a refusal under a queue limit asks clients to wait: queues drain at the engine's pace.
 RETRY_AFTER_SECONDS = 1.0
 

@@ -30,8 +30,8 @@ from core.clock import FakeClock
 from core.db import Database
 from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from core.tables import Session as SessionRow
+from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import refusal_of
-from scheduler.submit import UNLOAD_SEQ
 from tests import services
 from tests.conftest import make_settings, tenant_factory
 from treadle.types.bounds import MAX_SEQ_ID

@@ -23,12 +23,12 @@ from api.dbschema import upgrade
 from core import sessions
 from core.clock import FakeClock
 from core.db import Database
-from core.tables import Operation
+from core.tables import Operation, OpStatus
 from gpu_worker import protocol as ep
 from scheduler.convert import forward_backward_output
 from scheduler.execute import Outcome
 from scheduler.ops import PROTO, OpKind, encode_json_payload
-from scheduler.submit import DONE, submit
+from scheduler.submit import submit
 from tests.conftest import TenantKey, make_settings, tenant_factory
 from treadle.types import (
     ForwardBackwardOutput,
@@ -90,7 +90,7 @@ def _done_op(
         )
         op = db.get(Operation, submitted.request_id)
         assert op is not None
-        op.status, op.result, op.result_codec = DONE, result, codec
+        op.status, op.result, op.result_codec = OpStatus.DONE, result, codec
     return submitted.request_id
 
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import OpKind
-from scheduler.submit import UNLOAD_SEQ
 from tests.scheduling import MODEL, Rows, migrated, settings_for, worker_host
 
 if TYPE_CHECKING:

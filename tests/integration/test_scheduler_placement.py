@@ -16,7 +16,8 @@ from core.settings import Settings
 from core.tables import SamplingSession, TrainingRun
 from scheduler.beat import reap_dead_workers
 from scheduler.dispatch import CeleryDispatcher, EmbeddedDispatcher
-from scheduler.placement import choose_worker, live_workers, place
+from scheduler.placement import choose_worker, place
+from scheduler.workers import live as live_workers
 from tests.scheduling import MODEL, Rows, migrated, settings_for
 
 pytestmark = pytest.mark.integration

@@ -14,14 +14,9 @@ from sqlalchemy import func, select, text
 from core.errors import InvalidInput, NotFound, RateLimited
 from core.tables import Operation, TrainingRun
 from scheduler import submit as submit_module
+from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import OpKind, encode_json_payload
-from scheduler.submit import (
-    RETRY_AFTER_SECONDS,
-    UNLOAD_SEQ,
-    Submitted,
-    submit,
-    submit_training_op,
-)
+from scheduler.submit import RETRY_AFTER_SECONDS, Submitted, submit, submit_training_op
 from tests.scheduling import Rows, migrated
 
 pytestmark = pytest.mark.integration
