@@ -178,6 +178,22 @@ class Engine:
             raise UserInputError(f"unknown run {run_id!r}; create it first or load its state")
         return self._runs[run_id]
 
+    def adapter(self, run_id: str) -> LoraAdapter:
+        """The run's LoRA weights (for inspection: tests, exports)."""
+        return self._run(run_id).adapter
+
+    def steps(self, run_id: str) -> int:
+        """Optimizer steps the run has taken (restored with its optimizer state)."""
+        return self._run(run_id).steps
+
+    def base_module(self, base_model: str) -> torch.nn.Module:
+        """The shared base model, loaded if it was not (for inspection)."""
+        return self._model(base_model).model
+
+    def tokenizer(self, base_model: str) -> object:
+        """The base model's tokenizer (transformers), loaded if it was not."""
+        return self._tokenizer(self._model(base_model))
+
     def run_memory_bytes(self, run_id: str) -> int:
         """Bytes held for this run: adapter weights, gradients and AdamW moments."""
         run = self._run(run_id)

@@ -23,7 +23,7 @@ from core.settings import Settings
 from core.tables import TrainingRun
 from scheduler.ops import OpKind, encode_proto_payload
 from scheduler.submit import submit_training_op
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
 
 MODEL = "treadle/tiny-1m"
 

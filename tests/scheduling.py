@@ -22,7 +22,6 @@ from core import runs, sessions, tenants
 from core.clock import Clock, FakeClock
 from core.db import Database
 from core.objectstore import LocalArtifactStore
-from core.settings import Settings
 from core.tables import Operation, SamplingSession, TrainingRun
 from scheduler import workers
 from scheduler.notify import InProcessNotifier
@@ -36,16 +35,6 @@ if TYPE_CHECKING:
     from scheduler.worker_host import WorkerHost
 
 MODEL = "treadle/tiny-1m"
-
-
-def settings_for(tmp_path: Path, database_url: str, **overrides: Any) -> Settings:
-    values: dict[str, Any] = {
-        "data_dir": tmp_path / "data",
-        "database_url": database_url,
-        "server_secret": "test-secret-0123456789abcdef",
-    }
-    values.update(overrides)
-    return Settings(**values)
 
 
 def migrated(database_url: str) -> Database:

@@ -224,7 +224,7 @@ def test_key_material_never_reaches_logs_or_the_database(
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from tests.conftest import make_settings, tenant_factory
+    from tests.builders import make_settings, tenant_factory
 
     caplog.set_level(logging.DEBUG)
     db_path = tmp_path / "keys.db"

@@ -36,7 +36,7 @@ from api.dbschema import upgrade
 from core.db import Database
 from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from scheduler.ops import OpKind, decode_json_payload
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
 from tests.server import running_server
 from treadle.wire import decode_forward_backward_request
 

@@ -18,10 +18,10 @@ from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
 from core.tables import Operation, Session, TrainingRun, Worker
+from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
-from tests.conftest import TenantFactory, tenant_factory
-from tests.e2e.conftest import start_server
 from tests.scenarios import ADAM, BATCH, MODEL, scenario
+from tests.server import start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
 

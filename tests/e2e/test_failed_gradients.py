@@ -18,7 +18,7 @@ from tinker import types as tinker_types
 import treadle
 from billing.tables import UsageEvent
 from core.tables import Operation
-from tests.e2e.conftest import LiveServer
+from tests.server import LiveServer
 from treadle import types
 
 pytestmark = pytest.mark.e2e

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import LiveServer
 from tests.scenarios import MODEL
+from tests.server import LiveServer
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,8 @@ import tinker
 from transformers import AutoTokenizer
 
 import treadle
-from tests.e2e.conftest import LiveServer
 from tests.scenarios import MODEL
+from tests.server import LiveServer
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ from sqlalchemy import func, select
 from tinker import types
 
 from core.tables import Operation
-from tests.e2e.conftest import LiveServer
-from tests.e2e.test_tinker_training import MODEL, sft_datum
+from tests.scenarios import MODEL, sft_datum
+from tests.server import LiveServer
 
 pytestmark = pytest.mark.e2e
 

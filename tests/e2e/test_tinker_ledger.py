@@ -10,8 +10,8 @@ from tinker import types
 
 from billing.tables import UsageEvent
 from core.tables import Operation
-from tests.e2e.conftest import LiveServer
-from tests.e2e.test_tinker_training import MODEL, sft_datum
+from tests.scenarios import MODEL, sft_datum
+from tests.server import LiveServer
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
 from treadle.wire import encode_forward_backward_request
 

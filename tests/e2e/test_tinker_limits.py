@@ -25,7 +25,7 @@ from core.db import Database
 from core.tables import Operation, Tenant
 from scheduler.dispatch import EmbeddedDispatcher
 from scheduler.worker_host import WorkerHost, build_engine
-from tests.conftest import TenantFactory, make_settings, tenant_factory
+from tests.builders import TenantFactory, make_settings, tenant_factory
 from tests.server import running_server
 
 pytestmark = pytest.mark.e2e

@@ -14,8 +14,8 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.conftest import LiveServer
 from tests.scenarios import MODEL
+from tests.server import LiveServer
 
 pytestmark = pytest.mark.e2e
 

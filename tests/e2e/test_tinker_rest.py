@@ -22,8 +22,8 @@ from tinker.cli.__main__ import main_cli
 
 from core.signing import sign_download
 from core.tables import ModelVersion
-from tests.e2e.conftest import LiveServer
-from tests.e2e.test_tinker_training import MODEL, sft_datum
+from tests.scenarios import MODEL, sft_datum
+from tests.server import LiveServer
 
 pytestmark = pytest.mark.e2e
 

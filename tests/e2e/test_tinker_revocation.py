@@ -18,8 +18,8 @@ from billing.tables import UsageEvent
 from core.tables import ModelVersion, Operation
 from scheduler.dispatch import EmbeddedDispatcher
 from scheduler.worker_host import WorkerHost
-from tests.e2e.conftest import LiveServer
-from tests.e2e.test_tinker_training import MODEL
+from tests.scenarios import MODEL
+from tests.server import LiveServer
 
 pytestmark = pytest.mark.e2e
 

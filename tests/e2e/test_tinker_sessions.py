@@ -16,7 +16,7 @@ from core.apikeys import revoke_api_key
 from core.clock import SystemClock
 from core.db import Database
 from core.tables import Session
-from tests.conftest import TenantFactory, make_settings, tenant_factory
+from tests.builders import TenantFactory, make_settings, tenant_factory
 from tests.server import running_server
 
 pytestmark = pytest.mark.e2e

@@ -10,8 +10,8 @@ import tinker
 import torch
 from tinker import types
 
-from tests.e2e.conftest import LiveServer, start_server
 from tests.scenarios import MODEL, sft_datum
+from tests.server import LiveServer, start_server
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import treadle
-from tests.e2e.conftest import LiveServer
+from tests.server import LiveServer
 from treadle import cli, types
 
 pytestmark = pytest.mark.e2e

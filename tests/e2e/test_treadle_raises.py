@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import treadle
-from tests.e2e.conftest import LiveServer
+from tests.server import LiveServer
 from treadle import types
 
 pytestmark = pytest.mark.e2e

@@ -33,24 +33,14 @@ from api.dbschema import upgrade
 from core.db import Database
 from core.settings import Settings
 from core.tables import Operation
-from tests.conftest import make_settings, tenant_factory
-from tests.e2e.conftest import LiveServer
+from tests.builders import make_settings, tenant_factory
+from tests.e2e.treadle_data import MODEL, sft_datum
 from tests.sdk_client._worker import sample_tokens
+from tests.server import LiveServer
 from tests.services import free_port
 from treadle import cli, types
 
 pytestmark = pytest.mark.e2e
-
-MODEL = "treadle/tiny-1m"
-
-
-def sft_datum(offset: int = 0, length: int = 24) -> types.Datum:
-    tokens = [(7 * i + offset) % 500 + 10 for i in range(length + 1)]
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0] * 4 + [1.0] * (length - 4)},
-    )
-
 
 @pytest.fixture
 def service(live_server: LiveServer) -> Iterator[treadle.ServiceClient]:

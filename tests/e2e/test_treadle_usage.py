@@ -19,8 +19,8 @@ from sqlalchemy import select
 import treadle
 from billing.tables import UsageEvent
 from core.tables import Operation
-from tests.e2e.conftest import LiveServer, start_server
-from tests.e2e.test_treadle_sdk import MODEL, sft_datum
+from tests.e2e.treadle_data import MODEL, sft_datum
+from tests.server import LiveServer, start_server
 from treadle import types
 from treadle.futures import APIFuture
 

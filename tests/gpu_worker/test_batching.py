@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import Datum, ForwardBackwardOp, LoraSpec, OpError
-from tests.gpu_worker.conftest import TINY, adapter_grads, randomize_adapter, rng_tokens
+from tests.gpu_worker.helpers import TINY, adapter_grads, randomize_adapter, rng_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -96,18 +96,18 @@ def test_bad_datum_in_one_run_does_not_fail_the_others(engine):
         assert isinstance(results[4], OpError) and "unknown run" in results[4].message
         for i in (0, 2, 3):
             assert not isinstance(results[i], OpError)
-        assert all(p.grad is None for p in engine._runs[ids[1]].adapter.parameters())
+        assert all(p.grad is None for p in engine.adapter(ids[1]).parameters())
     finally:
         for rid in ids:
             engine.remove_run(rid)
 
 
 def test_memory_is_base_plus_adapters(engine):
-    base = engine._models[TINY].model
+    base = engine.base_module(TINY)
     base_ptrs = {p.data_ptr() for p in base.parameters()}
     engine.create_run("mem", TINY, LoraSpec(rank=8))
     try:
-        adapter = engine._runs["mem"].adapter
+        adapter = engine.adapter("mem")
         assert not base_ptrs & {p.data_ptr() for p in adapter.parameters()}
         assert {p.data_ptr() for p in base.parameters()} == base_ptrs  # no base copy
         assert engine.run_memory_bytes("mem") == adapter.num_bytes()
@@ -124,7 +124,7 @@ def test_a_failing_batched_pass_is_retried_op_by_op(engine, monkeypatch):
     def flaky(model, ctx, ops, **kw):
         if len(ops) > 1:
             raise RuntimeError("simulated device failure")
-        if ops[0].adapter is engine._runs[ids[2]].adapter:
+        if ops[0].adapter is engine.adapter(ids[2]):
             raise RuntimeError("this run's pass fails alone too")
         return real(model, ctx, ops, **kw)
 
@@ -133,7 +133,7 @@ def test_a_failing_batched_pass_is_retried_op_by_op(engine, monkeypatch):
         results = engine.forward_backward_batch(make_ops(ids))
         assert isinstance(results[2], OpError) and results[2].category == "server"
         assert all(not isinstance(results[i], OpError) for i in (0, 1, 3))
-        assert all(p.grad is None for p in engine._runs[ids[2]].adapter.parameters())
+        assert all(p.grad is None for p in engine.adapter(ids[2]).parameters())
     finally:
         for rid in ids:
             engine.remove_run(rid)

@@ -12,7 +12,7 @@ import torch
 from gpu_worker.catalog import SMOLLM2_NAME, Catalog, count_parameters, smollm2_gguf_file
 from gpu_worker.engine import Engine, EngineSettings
 from gpu_worker.protocol import LoraSpec, SampleRequest, SamplingParams, UserInputError
-from tests.gpu_worker.conftest import TINY
+from tests.gpu_worker.helpers import TINY
 
 
 @pytest.mark.unit

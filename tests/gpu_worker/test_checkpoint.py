@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import AdamParams, Datum, LoraSpec
-from tests.gpu_worker.conftest import TINY, rng_tokens
+from tests.gpu_worker.helpers import TINY, rng_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +47,7 @@ def test_save_load_with_optimizer_reproduces_next_step(engine, tmp_path):
         engine.load_state("ck-c", tmp_path / "state", include_optimizer=False)
         fresh_moments = train(engine, "ck-c", range(3, 5))
         assert fresh_moments[1] != pytest.approx(uninterrupted[1], rel=1e-6)
-        assert engine._runs["ck-b"].steps == 5
+        assert engine.steps("ck-b") == 5
     finally:
         for rid in ("ck-a", "ck-b", "ck-c"):
             engine.remove_run(rid)

@@ -19,7 +19,7 @@ from gpu_worker.protocol import (
     SampleRequest,
     SamplingParams,
 )
-from tests.gpu_worker.conftest import TINY, adapter_grads, randomize_adapter, rng_tokens
+from tests.gpu_worker.helpers import TINY, adapter_grads, randomize_adapter, rng_tokens
 
 pytestmark = [
     pytest.mark.gpu,

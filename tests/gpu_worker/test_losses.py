@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import Datum, LoraSpec
-from tests.gpu_worker.conftest import TINY, VOCAB, adapter_grads, randomize_adapter, rng_tokens
+from tests.gpu_worker.helpers import TINY, VOCAB, adapter_grads, randomize_adapter, rng_tokens
 from tests.gpu_worker.reference import datum_loss, hooked_lora, target_logprobs
 from treadle.types import TensorData
 
@@ -47,7 +47,7 @@ def reference(
 ):
     """Loss, per-datum logprobs and grads from a fresh plain model with hooked LoRA."""
     base = engine.catalog.load_model(model)
-    adapter = engine._runs[run_id].adapter
+    adapter = engine.adapter(run_id)
     leaves = {
         name: (a.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True))
         for name, (a, b) in adapter.weights.items()
@@ -159,7 +159,7 @@ def test_forward_computes_without_gradients(engine):
     try:
         data = make_data("cross_entropy", seed=12)
         fwd = engine.forward(run, data)
-        assert all(p.grad is None for p in engine._runs[run].adapter.parameters())
+        assert all(p.grad is None for p in engine.adapter(run).parameters())
         fb = engine.forward_backward(run, data)
         assert fwd.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
     finally:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import AdamParams, Datum, LoraSpec
-from tests.gpu_worker.conftest import TINY, rng_tokens
+from tests.gpu_worker.helpers import TINY, rng_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +32,7 @@ def test_five_steps_match_peft_adamw(engine):
 
     engine.create_run("parity", TINY, LoraSpec(rank=8, alpha=16, seed=4))
     try:
-        adapter = engine._runs["parity"].adapter
+        adapter = engine.adapter("parity")
         peft_model = get_peft_model(
             engine.catalog.load_model(TINY),
             LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpu_worker.protocol import LoraSpec, SampleRequest, SamplingParams
-from tests.gpu_worker.conftest import TINY, randomize_adapter
+from tests.gpu_worker.helpers import TINY, randomize_adapter
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ def test_max_tokens_gives_length_and_stop_gives_stop(engine, run):
     stopped = sample(engine, run, temperature=0.0, stop=[stop_id]).sequences[0]
     assert stopped.stop_reason == "stop" and stopped.tokens == seq.tokens[: first + 1]
 
-    tok = engine._tokenizer(engine._models[TINY])
+    tok = engine.tokenizer(TINY)
     text = tok.decode(seq.tokens)
     target = tok.decode(seq.tokens[:5])
     stop_str = target[-2:] if len(target.strip()) >= 2 else target

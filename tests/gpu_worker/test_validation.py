@@ -14,7 +14,7 @@ from gpu_worker.protocol import (
     SamplingParams,
     UserInputError,
 )
-from tests.gpu_worker.conftest import TINY, VOCAB, rng_tokens
+from tests.gpu_worker.helpers import TINY, VOCAB, rng_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -102,10 +102,10 @@ CASES = [
 
 
 def snapshot(engine, run):
-    r = engine._runs[run]
-    params = [p.detach().clone() for p in r.adapter.parameters()]
-    grads = [None if p.grad is None else p.grad.clone() for p in r.adapter.parameters()]
-    return params, grads, r.steps
+    adapter = engine.adapter(run)
+    params = [p.detach().clone() for p in adapter.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for p in adapter.parameters()]
+    return params, grads, engine.steps(run)
 
 
 def assert_same(a, b):

@@ -17,7 +17,7 @@ from core.clock import FakeClock
 from core.db import Database
 from core.settings import Settings
 from core.tables import Session as SessionRow
-from tests.conftest import TenantKey, make_settings, tenant_factory
+from tests.builders import TenantKey, make_settings, tenant_factory
 
 pytestmark = pytest.mark.integration
 

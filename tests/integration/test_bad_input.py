@@ -33,7 +33,7 @@ from core.tables import Session as SessionRow
 from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import refusal_of
 from tests import services
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
 from treadle.types.bounds import MAX_SEQ_ID
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.dbschema import upgrade
 from core.db import Database
-from tests.conftest import TenantFactory, make_settings, tenant_factory
+from tests.builders import TenantFactory, make_settings, tenant_factory
 
 pytestmark = pytest.mark.integration
 

@@ -39,7 +39,7 @@ from core.db import Database
 from core.settings import Settings
 from core.signing import sign_download
 from core.tables import ModelVersion, Operation, SamplingSession, Session, TrainingRun
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
 from tests.services import throwaway_database
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,7 @@ from api.app import create_app
 from api.bootstrap import ensure_default_key
 from core.clock import SystemClock
 from core.db import Database
-from tests.conftest import make_settings
+from tests.builders import make_settings
 from tests.server import running_server
 
 pytestmark = pytest.mark.integration

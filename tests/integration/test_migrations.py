@@ -13,7 +13,7 @@ from api.app import create_app
 from core.db import Database
 from core.errors import DatabaseNotMigrated
 from core.tables import Base
-from tests.conftest import make_settings
+from tests.builders import make_settings
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ from scheduler.convert import forward_backward_output
 from scheduler.execute import Outcome
 from scheduler.ops import PROTO, OpKind, encode_json_payload
 from scheduler.submit import submit
-from tests.conftest import TenantKey, make_settings, tenant_factory
+from tests.builders import TenantKey, make_settings, tenant_factory
 from treadle.types import (
     ForwardBackwardOutput,
     OptimStepResponse,

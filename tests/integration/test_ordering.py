@@ -16,8 +16,8 @@ from api.app import create_app
 from api.dbschema import upgrade
 from core.db import Database
 from core.tables import Operation
-from tests.conftest import make_settings, tenant_factory
-from tests.integration.test_recovery import DATUM, MODEL, _op, _result
+from tests.builders import make_settings, tenant_factory
+from tests.integration.helpers import DATUM, MODEL, op, result
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def _server_with_run(
     headers = {"X-API-Key": tenant_factory(app.state.treadle.database, settings)().key}
     with TestClient(app) as test_client:
         session = test_client.post("/api/v1/create_session", json={}, headers=headers).json()
-        created = _op(
+        created = op(
             test_client,
             headers,
             "create_model",
@@ -79,7 +79,7 @@ def test_out_of_order_arrival_runs_in_seq_order(
     with database.reader() as db:
         assert db.scalar(select(Operation.status).where(Operation.id == later)) == "queued"
     earlier = _submit(test_client, headers, "forward_backward", _fb(run_id, 1))
-    _result(test_client, headers, later)
+    result(test_client, headers, later)
     with database.reader() as db:
         finished = db.execute(
             select(Operation.id, Operation.finished_at).where(Operation.id.in_([earlier, later]))
@@ -94,7 +94,7 @@ def test_a_gap_is_released_after_the_timeout_and_its_straggler_refused(
     test_client, headers, run_id = client
     started = time.monotonic()
     after_gap = _submit(test_client, headers, "forward_backward", _fb(run_id, 2))
-    _result(test_client, headers, after_gap)  # runs once the missing seq 1 is given up
+    result(test_client, headers, after_gap)  # runs once the missing seq 1 is given up
     assert time.monotonic() - started >= 1.5
     straggler = _submit(test_client, headers, "forward_backward", _fb(run_id, 1))
     body = test_client.post(
@@ -103,14 +103,14 @@ def test_a_gap_is_released_after_the_timeout_and_its_straggler_refused(
     assert body["category"] == "user"
     assert "after later requests" in body["error"]
     # The run goes on with the next seq_id.
-    _result(test_client, headers, _submit(test_client, headers, "forward_backward", _fb(run_id, 3)))
+    result(test_client, headers, _submit(test_client, headers, "forward_backward", _fb(run_id, 3)))
 
 
 def test_a_refused_request_keeps_its_place_so_later_ones_never_wait(tmp_path: Path) -> None:
     """A request refused on its content (here: a checkpoint name already taken) still takes its
     seq_id and fails through its future; the next request runs at once, with no gap to wait out."""
     with _server_with_run(tmp_path, gap_timeout_seconds=3600) as (test_client, headers, run_id):
-        _op(test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 1, "path": "ckpt"})
+        op(test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 1, "path": "ckpt"})
         taken = _submit(
             test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 2, "path": "ckpt"}
         )
@@ -129,6 +129,6 @@ def test_a_refused_request_keeps_its_place_so_later_ones_never_wait(tmp_path: Pa
                 "/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers
             ).json()
             assert body["category"] == "user" and fragment in body["error"], body
-        _result(
+        result(
             test_client, headers, _submit(test_client, headers, "forward_backward", _fb(run_id, 4))
         )

@@ -14,46 +14,16 @@ from api.app import create_app
 from api.dbschema import upgrade
 from billing.tables import UsageEvent
 from core.db import Database
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
+from tests.integration.helpers import DATUM, MODEL, op
 
 pytestmark = pytest.mark.integration
-
-MODEL = "treadle/tiny-1m"
-TOKENS = [(5 * i) % 300 + 10 for i in range(21)]
-DATUM = {
-    "model_input": {"chunks": [{"type": "encoded_text", "tokens": TOKENS[:-1]}]},
-    "loss_fn_inputs": {
-        "target_tokens": {"data": TOKENS[1:], "dtype": "int64"},
-        "weights": {"data": [1.0] * 20, "dtype": "float32"},
-    },
-}
-
-
-def _result(client: TestClient, headers: dict[str, str], request_id: str) -> dict[str, object]:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        body: dict[str, object] = client.post(
-            "/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers
-        ).json()
-        if body.get("type") != "try_again":
-            assert "error" not in body, body
-            return body
-    raise AssertionError("no result")
-
-
-def _op(
-    client: TestClient, headers: dict[str, str], path: str, body: dict[str, object]
-) -> dict[str, object]:
-    response = client.post(f"/api/v1/{path}", json=body, headers=headers)
-    assert response.status_code == 200, response.text
-    return _result(client, headers, str(response.json()["request_id"]))
-
 
 def _train(
     client: TestClient, headers: dict[str, str], session_id: str, model_seq_id: int, steps: int
 ) -> str:
     run_id = str(
-        _op(
+        op(
             client,
             headers,
             "create_model",
@@ -66,7 +36,7 @@ def _train(
         )["model_id"]
     )
     for step in range(steps):
-        _op(
+        op(
             client,
             headers,
             "forward_backward",
@@ -77,7 +47,7 @@ def _train(
                 "loss_fn": "cross_entropy",
             },
         )
-        _op(
+        op(
             client,
             headers,
             "optim_step",
@@ -87,7 +57,7 @@ def _train(
 
 
 def _forward_loss(client: TestClient, headers: dict[str, str], run_id: str, seq_id: int) -> float:
-    out = _op(
+    out = op(
         client,
         headers,
         "forward_backward",
@@ -124,13 +94,13 @@ def test_restarted_server_restores_runs(tmp_path: Path, snapshot_every_steps: in
         billed = db.scalar(select(func.sum(UsageEvent.quantity)))
     restarted = create_app(settings)  # a new engine that holds no runs
     with TestClient(restarted) as client:
-        _op(
+        op(
             client,
             headers,
             "forward_backward",
             {"model_id": survivor, "seq_id": 7, "data": [DATUM], "loss_fn": "cross_entropy"},
         )
-        _op(
+        op(
             client,
             headers,
             "optim_step",
@@ -181,7 +151,7 @@ def test_replay_repeats_steps_refused_after_a_failed_forward_backward(tmp_path: 
     def fb(client: TestClient, run_id: str, seq_id: int, datum: dict[str, object]) -> None:
         body = {"model_id": run_id, "seq_id": seq_id, "data": [datum], "loss_fn": "cross_entropy"}
         if datum is DATUM:
-            _op(client, headers, "forward_backward", body)
+            op(client, headers, "forward_backward", body)
         else:
             _failure(client, headers, "forward_backward", body)
 
@@ -192,7 +162,7 @@ def test_replay_repeats_steps_refused_after_a_failed_forward_backward(tmp_path: 
         reference = _train(client, headers, session_id, 0, steps=1)
         expected = _forward_loss(client, headers, reference, seq_id=3)
         fb(client, reference, 4, DATUM)
-        _op(client, headers, "optim_step", {"model_id": reference, "seq_id": 5, **adam})
+        op(client, headers, "optim_step", {"model_id": reference, "seq_id": 5, **adam})
         expected_second = _forward_loss(client, headers, reference, seq_id=6)
         run_id = _train(client, headers, session_id, 1, steps=0)
         fb(client, run_id, 1, DATUM)
@@ -200,7 +170,7 @@ def test_replay_repeats_steps_refused_after_a_failed_forward_backward(tmp_path: 
         error = _failure(client, headers, "optim_step", {"model_id": run_id, "seq_id": 3, **adam})
         assert "(seq_id 2) failed" in error and "weights" in error, error
         fb(client, run_id, 4, DATUM)
-        _op(client, headers, "optim_step", {"model_id": run_id, "seq_id": 5, **adam})
+        op(client, headers, "optim_step", {"model_id": run_id, "seq_id": 5, **adam})
         assert _forward_loss(client, headers, run_id, seq_id=6) == pytest.approx(expected, rel=1e-6)
         fb(client, run_id, 7, DATUM)
         fb(client, run_id, 8, unweighted)
@@ -214,7 +184,7 @@ def test_replay_repeats_steps_refused_after_a_failed_forward_backward(tmp_path: 
             expected, rel=1e-6
         )
         fb(client, run_id, 11, DATUM)
-        _op(client, headers, "optim_step", {"model_id": run_id, "seq_id": 12, **adam})
+        op(client, headers, "optim_step", {"model_id": run_id, "seq_id": 12, **adam})
         assert _forward_loss(client, headers, run_id, seq_id=13) == pytest.approx(
             expected_second, rel=1e-6
         )

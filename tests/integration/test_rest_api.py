@@ -26,7 +26,7 @@ from core.db import Database
 from core.signing import sign_download
 from core.tables import ModelVersion
 from tests import services
-from tests.conftest import TenantFactory, TenantKey, make_settings, tenant_factory
+from tests.builders import TenantFactory, TenantKey, make_settings, tenant_factory
 
 pytestmark = pytest.mark.integration
 

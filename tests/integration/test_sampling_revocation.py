@@ -26,7 +26,7 @@ from core.clock import FakeClock
 from core.db import Database
 from core.tables import ModelVersion, Operation
 from scheduler.worker_host import WorkerHost, build_engine
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
 
 pytestmark = pytest.mark.integration
 

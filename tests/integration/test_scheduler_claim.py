@@ -16,7 +16,8 @@ import pytest
 
 from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import OpKind
-from tests.scheduling import MODEL, Rows, migrated, settings_for, worker_host
+from tests.builders import make_settings
+from tests.scheduling import MODEL, Rows, migrated, worker_host
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
@@ -33,7 +34,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     from scheduler.worker_host import build_engine
 
     root = tmp_path_factory.mktemp("engine")
-    return build_engine(settings_for(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
+    return build_engine(make_settings(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
 
 
 @pytest.fixture

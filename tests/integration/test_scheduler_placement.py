@@ -18,7 +18,8 @@ from scheduler.beat import reap_dead_workers
 from scheduler.dispatch import CeleryDispatcher, EmbeddedDispatcher
 from scheduler.placement import choose_worker, place
 from scheduler.workers import live as live_workers
-from tests.scheduling import MODEL, Rows, migrated, settings_for
+from tests.builders import make_settings
+from tests.scheduling import MODEL, Rows, migrated
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def rows(database_url: str) -> Rows:
 
 @pytest.fixture
 def settings(tmp_path: Path, database_url: str) -> Settings:
-    return settings_for(tmp_path, database_url, model_aliases={ALIAS: MODEL})
+    return make_settings(tmp_path, database_url, model_aliases={ALIAS: MODEL})
 
 
 def _place(rows: Rows, settings: Settings, target_id: str) -> str | None:
@@ -157,7 +158,7 @@ def test_assign_places_inside_the_submitting_transaction(
 ) -> None:
     """The distributed dispatcher places through `place`, in the caller's transaction: the
     placement commits with the submission, or not at all. The embedded one places nothing."""
-    settings = settings_for(tmp_path, database_url, redis_url="redis://127.0.0.1:1")
+    settings = make_settings(tmp_path, database_url, redis_url="redis://127.0.0.1:1")
     dispatcher = CeleryDispatcher(settings, rows.clock)  # connects only to send a wake-up
     tenant = rows.tenant()
     rows.worker("w-a", [MODEL])

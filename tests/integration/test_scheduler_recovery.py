@@ -13,13 +13,13 @@ from scheduler.execute import Executor
 from scheduler.ops import OpKind
 from scheduler.recovery import RestoreImpossible, restore_run
 from scheduler.task import Task
+from tests.builders import make_settings
 from tests.scheduling import (
     MODEL,
     Rows,
     forward_backward_payload,
     forward_backward_request,
     migrated,
-    settings_for,
     worker_host,
 )
 
@@ -36,7 +36,7 @@ STEPS = 3
 def _engine(root: Path) -> Engine:
     from scheduler.worker_host import build_engine
 
-    return build_engine(settings_for(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
+    return build_engine(make_settings(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from api.app import create_app
 from api.dbschema import upgrade
 from core.db import Database
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
 from tests.server import running_server
 
 pytestmark = pytest.mark.integration

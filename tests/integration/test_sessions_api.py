@@ -12,7 +12,7 @@ from api.app import create_app
 from api.dbschema import upgrade
 from core.clock import FakeClock
 from core.db import Database
-from tests.conftest import TenantFactory, make_settings, tenant_factory
+from tests.builders import TenantFactory, make_settings, tenant_factory
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from gpu_worker.protocol import AdamParams, UserInputError
 from gpu_worker.validation import check_adam
 from scheduler.ops import OpKind, encode_json_payload
 from scheduler.submit import submit_training_op
-from tests.conftest import make_settings, tenant_factory
+from tests.builders import make_settings, tenant_factory
 
 pytestmark = pytest.mark.integration
 

@@ -32,7 +32,7 @@ from core.errors import InvalidInput
 from core.tables import Operation, Tenant, TrainingRun
 from scheduler.worker_host import WorkerHost, build_engine
 from tests import services
-from tests.conftest import TenantFactory, make_settings, tenant_factory
+from tests.builders import TenantFactory, make_settings, tenant_factory
 from tests.server import running_server
 
 pytestmark = pytest.mark.integration

@@ -16,20 +16,11 @@ import pytest
 
 import treadle
 from tests.sdk_client.fake_server import FakeServer
+from tests.sdk_client.helpers import FAST, datum
 from treadle import types
 from treadle._http import HttpClient, RetryPolicy, retry_after_seconds
 
 pytestmark = pytest.mark.unit
-
-FAST = RetryPolicy(initial_backoff_seconds=0.001, max_backoff_seconds=0.01, max_elapsed_seconds=5)
-
-
-def datum(n: int = 3) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(list(range(1, n + 1))),
-        loss_fn_inputs={"target_tokens": list(range(2, n + 2)), "weights": [1.0] * n},
-    )
-
 
 def client_for(server: FakeServer, retry: RetryPolicy = FAST) -> treadle.ServiceClient:
     return treadle.ServiceClient(

@@ -10,7 +10,7 @@ import pytest
 
 import treadle
 from tests.sdk_client.fake_server import FakeServer
-from tests.sdk_client.test_retries import FAST, datum
+from tests.sdk_client.helpers import FAST, datum
 from treadle import types
 
 pytestmark = pytest.mark.unit

@@ -33,10 +33,10 @@ from core.db import Database
 from core.settings import Settings
 from core.tables import Operation, Worker
 from tests import corpus
+from tests.builders import tenant_factory
 from tests.cluster import SECRET, FailoverProxy, cluster
-from tests.conftest import tenant_factory
-from tests.e2e.conftest import start_server
 from tests.scenarios import MODEL, scenario
+from tests.server import start_server
 from tests.services import throwaway_database
 from treadle.wire import encode_forward_backward_request
 
