@@ -36,8 +36,8 @@ from core.clock import Clock, SystemClock
 from core.objectstore import LocalArtifactStore
 from core.settings import Mode, Settings
 from scheduler.dispatch import CeleryDispatcher, Dispatcher
-from scheduler.embedded import embedded_dispatcher
 from scheduler.notify import InProcessNotifier, Notifier, RedisNotifier
+from scheduler.worker.embedded import embedded_dispatcher
 
 logger = logging.getLogger(__name__)
 

@@ -193,7 +193,7 @@ def worker(
 ) -> None:
     """Run one GPU worker of distributed mode: one per device."""
     from api import dbschema
-    from scheduler.worker_process import default_worker_id, run_worker
+    from scheduler.worker.process import default_worker_id, run_worker
 
     settings = _distributed_settings("worker")
     if device is not None:

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from api.deps import AppState
-from api.ops import submit_to_run
+from api.submission import submit_to_run
 from core import apikeys
 from core.errors import ErrorCode, TreadleError
 from scheduler.ops import OpKind, refused

@@ -26,7 +26,7 @@ from core.clock import Clock
 from core.errors import QuotaExceeded
 from core.tables import Operation, OpStatus, Session, SessionStatus, TrainingRun
 from core.tenants import lock_tenant, resource_limits
-from scheduler.models import lora_parameters_per_rank
+from scheduler.served import lora_parameters_per_rank
 
 ADAPTER_PARTS = ("attn", "mlp", "unembed")
 

@@ -32,7 +32,7 @@ from treadle.wire import encode_forward_backward_request
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
-    from scheduler.worker_host import WorkerHost
+    from scheduler.worker.host import WorkerHost
 
 MODEL = "treadle/tiny-1m"
 
@@ -265,8 +265,8 @@ def worker_host(
     artifacts: Path,
     **options: Any,
 ) -> WorkerHost:
-    """A worker host as embedded mode builds it (`scheduler.embedded`), on `engine`."""
-    from scheduler.worker_host import WorkerHost
+    """A worker host as embedded mode builds it (`scheduler.worker.embedded`), on `engine`."""
+    from scheduler.worker.host import WorkerHost
 
     return WorkerHost(
         database, clock, engine, LocalArtifactStore(artifacts), InProcessNotifier(), **options

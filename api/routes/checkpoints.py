@@ -9,11 +9,10 @@ checkpoint answers 404 exactly like a missing one.
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Literal, cast
+from typing import Annotated, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
@@ -21,14 +20,13 @@ from fastapi import Path as PathParameter
 
 from api.deps import CurrentPrincipal, DbSession, State
 from api.openapi import error_responses
+from api.views import checkpoint_view
 from core import checkpoints, runs, signing
 from core.clock import Clock
 from core.errors import NotFound
 from core.tables import ModelPackage, ModelVersion
 from treadle.types import (
-    Checkpoint,
     CheckpointsListResponse,
-    CheckpointType,
     Cursor,
     ExternalWeightsUrlsResponse,
     SetCheckpointTtlRequest,
@@ -53,28 +51,6 @@ KindSegment = Annotated[
 CheckpointName = Annotated[
     str, PathParameter(description="The checkpoint id's second part: the name it was saved under.")
 ]
-
-
-def string_metadata(metadata: dict[str, object] | None) -> dict[str, str] | None:
-    """The wire types carry `{str: str}`; other JSON values are sent as their JSON text."""
-    if metadata is None:
-        return None
-    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-
-
-def checkpoint_view(version: ModelVersion) -> Checkpoint:
-    assert version.tinker_path is not None
-    _, kind, name = checkpoints.parse_tinker_path(version.tinker_path)
-    return Checkpoint(
-        checkpoint_id=f"{checkpoints.SEGMENT_BY_KIND[kind]}/{name}",
-        checkpoint_type=cast(CheckpointType, kind),
-        time=version.created_at,
-        tinker_path=version.tinker_path,
-        size_bytes=version.size_bytes,
-        public=version.public,
-        user_metadata=string_metadata(version.user_metadata),
-        expires_at=version.expires_at,
-    )
 
 
 def _listing(

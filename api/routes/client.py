@@ -10,7 +10,7 @@ from api.deps import CurrentPrincipal, State
 from api.jsonbody import MAX_JSON_DEPTH, nesting_exceeds
 from api.openapi import error_responses, raw_request_body
 from core.errors import InvalidInput, PayloadTooLarge
-from scheduler.models import registered_models
+from scheduler.served import registered_models
 from treadle.types import (
     ClientConfigRequest,
     ClientConfigResponse,

@@ -22,7 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from api.deps import State
 from api.openapi import error_responses
 from core.errors import ErrorCode
-from scheduler.models import tokenizer_key
+from scheduler.served import tokenizer_key
 
 router = APIRouter(prefix="/hf", tags=["hub"])
 

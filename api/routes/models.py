@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from api.deps import CurrentPrincipal, State
 from api.openapi import FILE_RESPONSE, error_responses
 from core.errors import NotFound
-from scheduler.models import tokenizer_key
+from scheduler.served import tokenizer_key
 
 router = APIRouter(prefix="/api/v1", tags=["models"])
 

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, DbSession, State
 from api.openapi import error_responses
-from api.routes.checkpoints import checkpoint_view, string_metadata
+from api.views import checkpoint_view, string_metadata
 from core import checkpoints, runs
 from core.clock import Clock
 from core.errors import NotFound

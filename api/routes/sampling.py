@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses
-from api.ops import check_base_model, in_submission, require_session
+from api.submission import check_base_model, in_submission, require_session
 from core import checkpoints, runs
 from core.errors import InvalidInput, RateLimited
 from core.tables import ModelPackage, ModelVersion

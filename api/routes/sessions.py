@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from api.deps import CurrentPrincipal, DbSession, State
 from api.openapi import error_responses
-from api.routes.checkpoints import string_metadata
+from api.views import string_metadata
 from core import sessions
 from treadle.types import (
     CreateSessionRequest,

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses, raw_request_body
-from api.ops import check_base_model, in_submission, open_run, submit_to_run
+from api.submission import check_base_model, in_submission, open_run, submit_to_run
 from api.validation import clip, describe
 from core import runs
 from core.errors import ErrorCode, InvalidInput, PayloadTooLarge

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS
-from api.ops import check_base_model, in_submission, open_run, submit_to_run
+from api.submission import check_base_model, in_submission, open_run, submit_to_run
 from core import checkpoints, runs
 from core.errors import ErrorCode, InvalidInput
 from core.tables import ModelPackage, ModelVersion, TrainingRun

@@ -23,8 +23,8 @@ from api.dbschema import upgrade
 from core import tenants
 from core.db import Database
 from core.tables import Operation, Tenant
-from scheduler.dispatch import EmbeddedDispatcher
-from scheduler.worker_host import WorkerHost, build_engine
+from scheduler.worker.embedded import EmbeddedDispatcher
+from scheduler.worker.host import WorkerHost, build_engine
 from tests.builders import TenantFactory, make_settings, tenant_factory
 from tests.server import running_server
 
@@ -49,11 +49,8 @@ class GatedHost:
     def __init__(self, host: WorkerHost, gate: Gate) -> None:
         self.host, self.gate = host, gate
 
-    def step(self) -> int:
-        return self.host.step() if self.gate.opened.wait(0.05) else 0
-
-    def evict_ended(self) -> list[str]:
-        return self.host.evict_ended()
+    def work(self) -> int:
+        return self.host.work() if self.gate.opened.wait(0.05) else 0
 
 
 class StatusRecorder:

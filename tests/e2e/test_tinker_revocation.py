@@ -16,8 +16,8 @@ from tinker import types
 
 from billing.tables import UsageEvent
 from core.tables import ModelVersion, Operation
-from scheduler.dispatch import EmbeddedDispatcher
-from scheduler.worker_host import WorkerHost
+from scheduler.worker.embedded import EmbeddedDispatcher
+from scheduler.worker.host import WorkerHost
 from tests.scenarios import MODEL
 from tests.server import LiveServer
 

@@ -26,9 +26,9 @@ from core.db import Database
 from core.tables import Operation, OpStatus
 from gpu_worker import protocol as ep
 from scheduler.convert import forward_backward_output
-from scheduler.execute import Outcome
 from scheduler.ops import PROTO, OpKind, encode_json_payload
 from scheduler.submit import submit
+from scheduler.worker.outcome import Outcome
 from tests.builders import TenantKey, make_settings, tenant_factory
 from treadle.types import (
     ForwardBackwardOutput,

@@ -18,10 +18,10 @@ import zstandard
 from sqlalchemy import select
 
 from core.tables import Operation, TrainingRun
-from scheduler.execute import Executor
 from scheduler.ops import OpKind
 from scheduler.submit import submit_training_op
-from scheduler.task import Task
+from scheduler.worker.claimed import Task
+from scheduler.worker.execute import Executor
 from tests.embedded_app import EmbeddedApp, datum, embedded_app
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
 from treadle.wire import encode_forward_backward_request

@@ -25,7 +25,7 @@ from billing.tables import UsageEvent
 from core.clock import FakeClock
 from core.db import Database
 from core.tables import ModelVersion, Operation
-from scheduler.worker_host import WorkerHost, build_engine
+from scheduler.worker.host import WorkerHost, build_engine
 from tests.builders import make_settings, tenant_factory
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from tests.scheduling import MODEL, Rows, migrated, worker_host
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
-    from scheduler.worker_host import WorkerHost
+    from scheduler.worker.host import WorkerHost
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ HostFactory = Callable[..., "WorkerHost"]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    from scheduler.worker_host import build_engine
+    from scheduler.worker.host import build_engine
 
     root = tmp_path_factory.mktemp("engine")
     return build_engine(make_settings(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))

@@ -15,8 +15,9 @@ from sqlalchemy import select
 from core.settings import Settings
 from core.tables import SamplingSession, TrainingRun
 from scheduler.beat import reap_dead_workers
-from scheduler.dispatch import CeleryDispatcher, EmbeddedDispatcher
+from scheduler.dispatch import CeleryDispatcher
 from scheduler.placement import choose_worker, place
+from scheduler.worker.embedded import EmbeddedDispatcher
 from scheduler.workers import live as live_workers
 from tests.builders import make_settings
 from tests.scheduling import MODEL, Rows, migrated

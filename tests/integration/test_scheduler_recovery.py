@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from scheduler import convert
-from scheduler.execute import Executor
 from scheduler.ops import OpKind
-from scheduler.recovery import RestoreImpossible, restore_run
-from scheduler.task import Task
+from scheduler.worker.claimed import Task
+from scheduler.worker.execute import Executor
+from scheduler.worker.recovery import RestoreImpossible, restore_run
 from tests.builders import make_settings
 from tests.scheduling import (
     MODEL,
@@ -25,7 +25,7 @@ from tests.scheduling import (
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
-    from scheduler.worker_host import WorkerHost
+    from scheduler.worker.host import WorkerHost
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ STEPS = 3
 
 
 def _engine(root: Path) -> Engine:
-    from scheduler.worker_host import build_engine
+    from scheduler.worker.host import build_engine
 
     return build_engine(make_settings(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
 

@@ -30,7 +30,7 @@ from core.clock import SystemClock
 from core.db import Database
 from core.errors import InvalidInput
 from core.tables import Operation, Tenant, TrainingRun
-from scheduler.worker_host import WorkerHost, build_engine
+from scheduler.worker.host import WorkerHost, build_engine
 from tests import services
 from tests.builders import TenantFactory, make_settings, tenant_factory
 from tests.server import running_server

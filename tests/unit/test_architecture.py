@@ -1,7 +1,9 @@
-"""The import arrows of DESIGN.md §2 hold, and the light packages never load torch."""
+"""The import arrows of DESIGN.md §2 hold, the light packages never load torch, and
+docs/architecture.md lists the packages there are."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +37,35 @@ def test_module_imports_without_torch(module: str) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def _documented_packages() -> set[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Packages and import arrows", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([^`]+/)` \|", section, flags=re.MULTILINE))
+
+
+def _packages_in_tree() -> set[str]:
+    roots = [
+        "api",
+        "billing",
+        "core",
+        "gpu_worker",
+        "migrations",
+        "scheduler",
+        "sdk/treadle",
+        "cookbook/treadle_cookbook",
+    ]
+    return {
+        init.parent.relative_to(ROOT).as_posix() + "/"
+        for root in roots
+        for init in (ROOT / root).rglob("__init__.py")
+    }
+
+
+def test_the_package_table_matches_the_tree() -> None:
+    documented, actual = _documented_packages(), _packages_in_tree()
+    assert documented == actual, (
+        f"docs/architecture.md lists packages that do not exist: {sorted(documented - actual)}; "
+        f"and misses: {sorted(actual - documented)}"
+    )

@@ -28,13 +28,14 @@ from core.tables import ModelVersion, SamplingSession, Session, SessionStatus, T
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
 from scheduler import oplog, workers
-from scheduler.execute import Executor, Outcome, failed_forward_backwards
 from scheduler.failures import OpFailure
-from scheduler.models import tokenizer_key
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
-from scheduler.recovery import RestoreImpossible, restore_run
-from scheduler.task import Task
+from scheduler.served import tokenizer_key
+from scheduler.worker.claimed import Task
+from scheduler.worker.execute import Executor, failed_forward_backwards
+from scheduler.worker.outcome import Outcome
+from scheduler.worker.recovery import RestoreImpossible, restore_run
 from treadle.wire import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)

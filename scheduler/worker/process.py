@@ -18,7 +18,7 @@ from core.objectstore import LocalArtifactStore
 from core.settings import Settings
 from scheduler.celery_app import make_celery, worker_queue
 from scheduler.notify import RedisNotifier
-from scheduler.tasks import install_host, register_tasks
+from scheduler.worker.celery_tasks import install_host, register_tasks
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def default_worker_id(device: str) -> str:
 
 
 def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None:
-    from scheduler.worker_host import start_host
+    from scheduler.worker.host import start_host
 
     clock = SystemClock()
     database = Database(settings.resolved_database_url)

@@ -18,11 +18,11 @@ from core.db import Database
 from core.objectstore import ArtifactStore
 from core.tables import Operation, OpStatus, TrainingRun
 from scheduler.ops import OpKind
-from scheduler.task import Task
+from scheduler.worker.claimed import Task
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
-    from scheduler.execute import Executor
+    from scheduler.worker.execute import Executor
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from scheduler.celery_app import RUN_READY_TASK
 if TYPE_CHECKING:
     from celery import Celery
 
-    from scheduler.worker_host import WorkerHost
+    from scheduler.worker.host import WorkerHost
 
 log = logging.getLogger(__name__)
 _host: WorkerHost | None = None

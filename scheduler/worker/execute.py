@@ -1,13 +1,10 @@
-"""What each operation kind does on the engine, and what it leaves to record.
+"""What each operation kind does on the engine, and what it leaves to record (an `Outcome`).
 
-An `Outcome` carries the result bytes, the usage, and an optional `apply` callback with the
-database writes that belong to the result (a registered checkpoint, a run becoming active);
-the worker host runs it in the same transaction that stores the result.
+Saves are in `saves`; the failed-gradient window of an optimizer step is decided here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,14 +18,12 @@ from core import checkpoints, runs
 from core.clock import Clock
 from core.db import Database
 from core.errors import ErrorCode, NotFound
-from core.ids import sampling_session_id
 from core.objectstore import ArtifactStore
 from core.tables import ModelVersion, Operation, OpStatus, SamplingSession, TrainingRun
 from gpu_worker import protocol as ep
 from scheduler import convert, fb_proto
 from scheduler.failures import OpFailure, Refused
 from scheduler.ops import (
-    JSON,
     JSON_ZSTD,
     PROTO,
     OpKind,
@@ -36,7 +31,9 @@ from scheduler.ops import (
     decode_payload,
     refusal_of,
 )
-from scheduler.task import FailedForwardBackward, Task
+from scheduler.worker.claimed import FailedForwardBackward, Task
+from scheduler.worker.outcome import Outcome
+from scheduler.worker.saves import Saves
 from treadle.proto import treadle_wire_pb2 as pb
 from treadle.types import (
     CreateModelResponse,
@@ -44,45 +41,14 @@ from treadle.types import (
     OptimStepRequest,
     OptimStepResponse,
     SampleRequest,
-    SaveWeightsExternalRequest,
-    SaveWeightsExternalResponse,
-    SaveWeightsForSamplerRequest,
-    SaveWeightsForSamplerResponse,
-    SaveWeightsRequest,
-    SaveWeightsResponse,
     UnloadModelResponse,
 )
 from treadle.wire import DEFAULT_MAX_BODY_BYTES, WireFormatError
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from gpu_worker.engine import Engine
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Outcome:
-    result: bytes | None = None
-    codec: str | None = None
-    error: OpFailure | None = None
-    usage: list[UsageLine] = dataclasses.field(default_factory=list)
-    apply: Callable[[OrmSession], object] | None = None
-
-    @classmethod
-    def failed(cls, failure: OpFailure) -> Outcome:
-        return cls(error=failure)
-
-    @classmethod
-    def json(
-        cls,
-        model: BaseModel,
-        usage: list[UsageLine] | None = None,
-        apply: Callable[[OrmSession], object] | None = None,
-    ) -> Outcome:
-        body = model.model_dump_json(exclude_none=True).encode()
-        return cls(result=body, codec=JSON, usage=usage or [], apply=apply)
 
 
 def usage_lines(usage: ep.Usage) -> list[UsageLine]:
@@ -137,6 +103,7 @@ class Executor:
         # The API refused bodies that expand past this; ops logged before a limit was lowered
         # are held to it here too, while they are decompressed.
         self.max_request_bytes = max_request_bytes
+        self.saves = Saves(engine, store, clock)
 
     # --- forward_backward, batched across runs ------------------------------------------
 
@@ -298,9 +265,9 @@ class Executor:
             OpKind.CREATE_MODEL: self._create_model,
             OpKind.LOAD_WEIGHTS: self._load_weights,
             OpKind.OPTIM_STEP: self._optim_step,
-            OpKind.SAVE_WEIGHTS: self._save_weights,
-            OpKind.SAVE_WEIGHTS_FOR_SAMPLER: self._save_for_sampler,
-            OpKind.SAVE_WEIGHTS_EXTERNAL: self._save_external,
+            OpKind.SAVE_WEIGHTS: self.saves.weights,
+            OpKind.SAVE_WEIGHTS_FOR_SAMPLER: self.saves.for_sampler,
+            OpKind.SAVE_WEIGHTS_EXTERNAL: self.saves.external,
             OpKind.UNLOAD_MODEL: self._unload,
         }
         if task.kind is OpKind.OPTIM_STEP:
@@ -424,141 +391,6 @@ class Executor:
                 runs.count_step(run)
 
         return Outcome.json(OptimStepResponse(metrics=result.metrics), apply=apply)
-
-    def _save(
-        self,
-        task: Task,
-        kind: str,
-        name: str | None,
-        *,
-        optimizer: bool,
-        export: str | None = None,
-        ttl_seconds: int | None = None,
-        overwrite: bool = False,
-        user_metadata: dict[str, str] | None = None,
-    ) -> tuple[int, Callable[[OrmSession], ModelVersion]]:
-        """Write the run's weights to the store; returns its size and the registering callback."""
-        key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/{kind}/{name or 'snapshot'}-{task.id}"
-        folder = self.store.local_dir(key)
-        if export == "merged":
-            self.engine.export_merged(task.target_id, folder)
-        elif export == "adapter":
-            self.engine.export_adapter(task.target_id, folder)
-        else:
-            self.engine.save_state(task.target_id, folder, include_optimizer=optimizer)
-        uri = self.store.uri(key)
-        size, digest = self.store.size_and_digest(uri)
-
-        def register(db: OrmSession) -> ModelVersion:
-            run = db.get(TrainingRun, task.target_id)
-            assert run is not None
-            return checkpoints.register(
-                db,
-                self.clock,
-                run=run,
-                kind=kind,
-                name=name,
-                artifact_uri=uri,
-                size_bytes=size,
-                sha256=digest,
-                ttl_seconds=ttl_seconds,
-                user_metadata=user_metadata,
-                overwrite=overwrite,
-            )
-
-        return size, register
-
-    def _save_weights(self, task: Task) -> Outcome:
-        request = SaveWeightsRequest.model_validate_json(
-            decode_payload(task.payload, task.payload_codec)
-        )
-        name = request.path or f"step-{task.seq_id}"
-        _, register = self._save(
-            task,
-            "training",
-            name,
-            optimizer=True,
-            ttl_seconds=request.ttl_seconds,
-            overwrite=request.overwrite,
-            user_metadata=request.user_metadata,
-        )
-        path = checkpoints.tinker_path(task.target_id, "training", name)
-        return Outcome.json(
-            SaveWeightsResponse(path=path), usage=[UsageLine("checkpoint", 1)], apply=register
-        )
-
-    def _save_for_sampler(self, task: Task) -> Outcome:
-        request = SaveWeightsForSamplerRequest.model_validate_json(
-            decode_payload(task.payload, task.payload_codec)
-        )
-        if request.path is None and request.sampling_session_seq_id is None:
-            raise ep.UserInputError(
-                "save_weights_for_sampler needs a name (path) or a sampling_session_seq_id"
-            )
-        _, register = self._save(
-            task,
-            "sampler",
-            request.path,
-            optimizer=False,
-            ttl_seconds=request.ttl_seconds,
-            user_metadata=request.user_metadata,
-        )
-        if request.path is not None:
-            path = checkpoints.tinker_path(task.target_id, "sampler", request.path)
-            return Outcome.json(
-                SaveWeightsForSamplerResponse(path=path),
-                usage=[UsageLine("checkpoint", 1)],
-                apply=register,
-            )
-        seq = request.sampling_session_seq_id
-        assert seq is not None
-        sampler_id = sampling_session_id(task.session_id, seq)
-
-        def apply(db: OrmSession) -> None:
-            version = register(db)
-            runs.create_sampling_session(
-                db,
-                self.clock,
-                tenant_id=task.tenant_id,
-                session_id=task.session_id,
-                seq=seq,
-                base_model=task.base_model,
-                model_path=None,
-                training_run_id=task.target_id,
-                model_version_id=version.id,
-            )
-
-        return Outcome.json(
-            SaveWeightsForSamplerResponse(sampling_session_id=sampler_id),
-            usage=[UsageLine("checkpoint", 1)],
-            apply=apply,
-        )
-
-    def _save_external(self, task: Task) -> Outcome:
-        request = SaveWeightsExternalRequest.model_validate_json(
-            decode_payload(task.payload, task.payload_codec)
-        )
-        if request.age_encryption_recipients:
-            raise Refused(
-                OpFailure.user(
-                    "age encryption of exports is not supported; omit age_encryption_recipients",
-                    ErrorCode.UNSUPPORTED,
-                )
-            )
-        size, register = self._save(
-            task,
-            "external",
-            request.path,
-            optimizer=False,
-            export="merged" if request.merged else "adapter",
-            ttl_seconds=request.ttl_seconds,
-        )
-        path = checkpoints.tinker_path(task.target_id, "external", request.path)
-        return Outcome.json(
-            SaveWeightsExternalResponse(path=path, size_bytes=size),
-            usage=[UsageLine("checkpoint", 1)],
-            apply=register,
-        )
 
     def _unload(self, task: Task) -> Outcome:
         self.engine.remove_run(task.target_id)
