@@ -50,6 +50,17 @@ def get_db_session(state: State) -> Iterator[OrmSession]:
 
 
 DbSession = Annotated[OrmSession, Depends(get_db_session)]
+"""A write transaction, committed after the route returned (for routes that change rows, such
+as a session found expired on reading it)."""
+
+
+def get_read_session(state: State) -> Iterator[OrmSession]:
+    with state.database.reader() as session:
+        yield session
+
+
+ReadSession = Annotated[OrmSession, Depends(get_read_session)]
+"""A read-only transaction: never waits for the database's write lock."""
 
 
 # Declared as a security scheme so the OpenAPI document says which routes need the key and how

@@ -18,7 +18,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParameter
 
-from api.deps import CurrentPrincipal, DbSession, State
+from api.deps import CurrentPrincipal, ReadSession, State
 from api.openapi import error_responses
 from api.views import checkpoint_view
 from core import checkpoints, runs, signing
@@ -69,7 +69,7 @@ def _listing(
 )
 def list_user_checkpoints(
     principal: CurrentPrincipal,
-    db: DbSession,
+    db: ReadSession,
     state: State,
     limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
@@ -89,7 +89,7 @@ def list_user_checkpoints(
 def list_run_checkpoints(
     run_id: str,
     principal: CurrentPrincipal,
-    db: DbSession,
+    db: ReadSession,
     state: State,
     limit: int = Query(1000, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
@@ -153,7 +153,7 @@ def external_weights_urls(
     name: CheckpointName,
     request: Request,
     principal: CurrentPrincipal,
-    db: DbSession,
+    db: ReadSession,
     state: State,
 ) -> ExternalWeightsUrlsResponse:
     """A signed URL per file of the checkpoint, fetchable without an API key until `expires`."""
@@ -192,7 +192,7 @@ def delete_checkpoint(
     responses=error_responses(401, 403, 404, 413, 422),
 )
 def weights_info(
-    body: WeightsInfoRequest, principal: CurrentPrincipal, db: DbSession, state: State
+    body: WeightsInfoRequest, principal: CurrentPrincipal, db: ReadSession, state: State
 ) -> WeightsInfoResponse:
     """What a client needs to load the checkpoint: base model and LoRA shape."""
     version = checkpoints.resolve(db, state.clock, principal.tenant_id, body.tinker_path)

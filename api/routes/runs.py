@@ -12,7 +12,7 @@ from typing import Literal
 from fastapi import APIRouter, Query
 from sqlalchemy.orm import Session as OrmSession
 
-from api.deps import CurrentPrincipal, DbSession, State
+from api.deps import CurrentPrincipal, ReadSession, State
 from api.openapi import error_responses
 from api.views import checkpoint_view, string_metadata
 from core import checkpoints, runs
@@ -34,7 +34,7 @@ AccessScope = Literal["owned", "accessible"]
 )
 def list_training_runs(
     principal: CurrentPrincipal,
-    db: DbSession,
+    db: ReadSession,
     state: State,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
@@ -57,7 +57,7 @@ def list_training_runs(
 def get_training_run(
     run_id: str,
     principal: CurrentPrincipal,
-    db: DbSession,
+    db: ReadSession,
     state: State,
     access_scope: AccessScope = "owned",
 ) -> TrainingRun:

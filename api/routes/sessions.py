@@ -6,7 +6,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Query
 
-from api.deps import CurrentPrincipal, DbSession, State
+from api.deps import CurrentPrincipal, DbSession, ReadSession, State
 from api.openapi import error_responses
 from api.views import string_metadata
 from core import sessions
@@ -94,7 +94,7 @@ def finish_session(
 )
 def list_sessions(
     principal: CurrentPrincipal,
-    db: DbSession,
+    db: ReadSession,
     state: State,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),

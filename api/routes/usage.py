@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter
 from pydantic import BeforeValidator
 
-from api.deps import CurrentPrincipal, DbSession
+from api.deps import CurrentPrincipal, ReadSession
 from api.openapi import error_responses
 from billing.ledger import usage_by_model_and_kind
 from core.errors import InvalidInput
@@ -40,7 +40,7 @@ IsoTime = Annotated[datetime | None, BeforeValidator(_iso_only)]
 )
 def usage(
     principal: CurrentPrincipal,
-    db: DbSession,
+    db: ReadSession,
     since: IsoTime = None,
     until: IsoTime = None,
 ) -> UsageReport:
