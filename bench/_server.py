@@ -29,11 +29,21 @@ def embedded_server(port: int, *, threads: int, models: list[str]) -> Iterator[S
     """A fresh `treadle-server serve` on 127.0.0.1:port: its URL, API key and process id."""
     data = tempfile.mkdtemp(prefix="treadle-bench-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
-    env.update(TREADLE_DATA_DIR=data, TREADLE_TORCH_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               TREADLE_MODELS=json.dumps(models), COLUMNS="200")
+    env.update(
+        TREADLE_DATA_DIR=data,
+        TREADLE_TORCH_THREADS=str(threads),
+        OMP_NUM_THREADS=str(threads),
+        TREADLE_MODELS=json.dumps(models),
+        COLUMNS="200",
+    )
     cli = str(Path(sys.executable).with_name("treadle-server"))
-    proc = subprocess.Popen([cli, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [cli, "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     output = ""
     deadline = time.monotonic() + 120

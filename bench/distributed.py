@@ -39,14 +39,22 @@ def sft_tps(base_url: str, key: str, model: str, rows: list[list[int]], steps: i
 
     client = tinker.ServiceClient(base_url=base_url, api_key=key)
     trainer = client.create_lora_training_client(base_model=model, rank=16, seed=0).result()
-    data = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
-                        loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)}) for r in rows]
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)},
+        )
+        for r in rows
+    ]
     trainer.forward_backward(data, "cross_entropy").result()
     trainer.optim_step(types.AdamParams()).result()
     start = time.perf_counter()
     futures = []
     for _ in range(steps):
-        futures += [trainer.forward_backward(data, "cross_entropy"), trainer.optim_step(types.AdamParams())]
+        futures += [
+            trainer.forward_backward(data, "cross_entropy"),
+            trainer.optim_step(types.AdamParams()),
+        ]
     for future in futures:
         future.result()
     elapsed = time.perf_counter() - start
@@ -63,8 +71,10 @@ def failover(group: object, database: object, base_url: str, key: str) -> float:
 
     client = tinker.ServiceClient(base_url=base_url, api_key=key)
     trainer = client.create_lora_training_client(base_model="treadle/tiny-1m", rank=4).result()
-    datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(10, 40))),
-                        loss_fn_inputs={"target_tokens": list(range(11, 41)), "weights": [1.0] * 30})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(10, 40))),
+        loss_fn_inputs={"target_tokens": list(range(11, 41)), "weights": [1.0] * 30},
+    )
     for _ in range(3):
         trainer.forward_backward([datum], "cross_entropy")
         trainer.optim_step(types.AdamParams()).result()
@@ -96,30 +106,48 @@ def main() -> None:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     os.environ["HOME"] = tempfile.mkdtemp()
     rows = _rows(args.batch, args.seq)
-    result: dict[str, object] = {"benchmark": "distributed", "model": args.model, "batch": f"{args.batch}x{args.seq}"}
+    result: dict[str, object] = {
+        "benchmark": "distributed",
+        "model": args.model,
+        "batch": f"{args.batch}x{args.seq}",
+    }
 
     with embedded_server(free_port(), threads=1, models=[args.model, "treadle/tiny-1m"]) as server:
         embedded_tps = sft_tps(server.url, server.key, args.model, rows, args.steps)
-    with services.postgres_server() as pg, services.throwaway_database(pg) as db_url, \
-            services.redis_server() as redis_url, \
-            cluster(Path(tempfile.mkdtemp()), db_url, redis_url, worker_lease_seconds="10",
-                    models=json.dumps([args.model, "treadle/tiny-1m"])) as group:
+    with (
+        services.postgres_server() as pg,
+        services.throwaway_database(pg) as db_url,
+        services.redis_server() as redis_url,
+        cluster(
+            Path(tempfile.mkdtemp()),
+            db_url,
+            redis_url,
+            worker_lease_seconds="10",
+            models=json.dumps([args.model, "treadle/tiny-1m"]),
+        ) as group,
+    ):
         for name in ("w1", "w2"):
             group.start_worker(name, args.model, "treadle/tiny-1m")
         api_url = group.start_api("a1")
         group.start_beat()
         database = Database(db_url)
         key = tenant_factory(database, Settings(database_url=db_url, server_secret=SECRET))(
-            max_concurrent_sessions=10).key
+            max_concurrent_sessions=10
+        ).key
         distributed_tps = sft_tps(api_url, key, args.model, rows, args.steps)
         latency = tiny_op_latency(api_url, key, group.apis["a1"].pid, args.tiny_ops)
         failover_s = failover(group, database, api_url, key)
-    result.update({
-        **latency,
-        "sft_tokens_per_s": {"distributed": round(distributed_tps, 1), "embedded": round(embedded_tps, 1)},
-        "ratio": round(distributed_tps / embedded_tps, 3),
-        "failover_s": round(failover_s, 1),
-    })
+    result.update(
+        {
+            **latency,
+            "sft_tokens_per_s": {
+                "distributed": round(distributed_tps, 1),
+                "embedded": round(embedded_tps, 1),
+            },
+            "ratio": round(distributed_tps / embedded_tps, 3),
+            "failover_s": round(failover_s, 1),
+        }
+    )
     print(json.dumps(result, indent=2))
 
 

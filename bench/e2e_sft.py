@@ -42,9 +42,16 @@ def inprocess(model: str, rows: list[list[int]], steps: int, threads: int) -> fl
 
     engine = Engine(EngineSettings(num_threads=threads))
     engine.create_run("bench", model, LoraSpec(rank=32, alpha=32.0, seed=0))
-    data = [Datum(tokens=np.array(r[:-1]), loss_fn_inputs={"target_tokens": np.array(r[1:]),
-                                                           "weights": np.ones(len(r) - 1, np.float32)})
-            for r in rows]
+    data = [
+        Datum(
+            tokens=np.array(r[:-1]),
+            loss_fn_inputs={
+                "target_tokens": np.array(r[1:]),
+                "weights": np.ones(len(r) - 1, np.float32),
+            },
+        )
+        for r in rows
+    ]
     tokens = sum(len(r) - 1 for r in rows)
     engine.forward_backward("bench", data)  # warm-up
     engine.optim_step("bench", AdamParams())
@@ -61,8 +68,13 @@ def through_sdk(base_url: str, key: str, model: str, rows: list[list[int]], step
 
     client = tinker.ServiceClient(base_url=base_url, api_key=key)
     trainer = client.create_lora_training_client(base_model=model, rank=32, seed=0).result()
-    data = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
-                        loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)}) for r in rows]
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)},
+        )
+        for r in rows
+    ]
     tokens = sum(len(r) - 1 for r in rows)
     trainer.forward_backward(data, "cross_entropy").result()
     trainer.optim_step(types.AdamParams()).result()
@@ -78,16 +90,22 @@ def through_sdk(base_url: str, key: str, model: str, rows: list[list[int]], step
     return throughput
 
 
-def through_treadle(base_url: str, key: str, model: str, rows: list[list[int]], steps: int) -> float:
+def through_treadle(
+    base_url: str, key: str, model: str, rows: list[list[int]], steps: int
+) -> float:
     """The same loop with Treadle's own client."""
     import treadle
     from treadle import types
 
     with treadle.ServiceClient(base_url=base_url, api_key=key) as client:
         trainer = client.create_lora_training_client(model, rank=32, seed=0)
-        data = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
-                            loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)})
-                for r in rows]
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(r[:-1]),
+                loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)},
+            )
+            for r in rows
+        ]
         trainer.forward_backward(data, "cross_entropy").result()
         trainer.optim_step(types.AdamParams()).result()
         start = time.perf_counter()
@@ -115,24 +133,31 @@ def main() -> None:
 
     from tests.services import free_port
 
-    with embedded_server(args.port or free_port(), threads=args.threads, models=[args.model, "treadle/tiny-1m"]) as server:
+    with embedded_server(
+        args.port or free_port(), threads=args.threads, models=[args.model, "treadle/tiny-1m"]
+    ) as server:
         sdk_tps = through_sdk(server.url, server.key, args.model, rows, args.steps)
         treadle_tps = through_treadle(server.url, server.key, args.model, rows, args.steps)
         latency = tiny_op_latency(server.url, server.key, server.pid, args.tiny_ops)
     local_tps = inprocess(args.model, rows, args.steps, args.threads)
-    print(json.dumps({
-        "benchmark": "e2e_sft",
-        "model": args.model,
-        "batch": f"{args.batch}x{args.seq}",
-        "threads": args.threads,
-        "steps": args.steps,
-        "sdk_tokens_per_s": round(sdk_tps, 1),
-        "inprocess_tokens_per_s": round(local_tps, 1),
-        "ratio": round(sdk_tps / local_tps, 3),
-        "treadle_sdk_tokens_per_s": round(treadle_tps, 1),
-        "treadle_vs_tinker_sdk": round(treadle_tps / sdk_tps, 3),
-        **latency,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "e2e_sft",
+                "model": args.model,
+                "batch": f"{args.batch}x{args.seq}",
+                "threads": args.threads,
+                "steps": args.steps,
+                "sdk_tokens_per_s": round(sdk_tps, 1),
+                "inprocess_tokens_per_s": round(local_tps, 1),
+                "ratio": round(sdk_tps / local_tps, 3),
+                "treadle_sdk_tokens_per_s": round(treadle_tps, 1),
+                "treadle_vs_tinker_sdk": round(treadle_tps / sdk_tps, 3),
+                **latency,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -79,13 +79,21 @@ def rss_bytes() -> int:
 
 
 def ce_batch(rng: np.random.Generator, vocab: int, rows: int, length: int) -> list[Datum]:
-    return [Datum(rng.integers(0, vocab, length),
-                  {"target_tokens": rng.integers(0, vocab, length),
-                   "weights": np.ones(length, np.float32)}) for _ in range(rows)]
+    return [
+        Datum(
+            rng.integers(0, vocab, length),
+            {
+                "target_tokens": rng.integers(0, vocab, length),
+                "weights": np.ones(length, np.float32),
+            },
+        )
+        for _ in range(rows)
+    ]
 
 
-def bench_training(engine: Engine, model: str, rows: int, length: int, rank: int,
-                   repeats: int) -> dict:
+def bench_training(
+    engine: Engine, model: str, rows: int, length: int, rank: int, repeats: int
+) -> dict:
     from peft import LoraConfig, get_peft_model
 
     vocab = engine.catalog.info(model).vocab_size
@@ -100,33 +108,48 @@ def bench_training(engine: Engine, model: str, rows: int, length: int, rank: int
     engine_s, engine_other = timed(engine_step, repeats)
     engine.remove_run("bench-train")
 
-    peft_model = get_peft_model(engine.catalog.load_model(model).to(engine.device),
-                                LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
-                                           target_modules=TARGETS))
+    peft_model = get_peft_model(
+        engine.catalog.load_model(model).to(engine.device),
+        LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=TARGETS),
+    )
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
-                            eps=ADAM.eps, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        params,
+        lr=ADAM.learning_rate,
+        betas=(ADAM.beta1, ADAM.beta2),
+        eps=ADAM.eps,
+        weight_decay=0.0,
+    )
     x = torch.tensor(np.stack([d.tokens for d in data])).to(engine.device)
     y = torch.tensor(np.stack([d.loss_fn_inputs["target_tokens"] for d in data])).to(engine.device)
-    autocast = (torch.autocast(engine.device.type, dtype=engine.autocast_dtype)
-                if engine.autocast_dtype is not None else torch.autocast("cpu", enabled=False))
+    autocast = (
+        torch.autocast(engine.device.type, dtype=engine.autocast_dtype)
+        if engine.autocast_dtype is not None
+        else torch.autocast("cpu", enabled=False)
+    )
 
     def peft_step() -> None:
         with autocast:
             logits = peft_model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
-                                                 reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), y.flatten(), reduction="sum"
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     peft_s, peft_other = timed(peft_step, repeats)
     tokens = rows * length
-    return {"model": model, "batch": f"{rows}x{length}", "rank": rank,
-            "engine_tokens_per_s": round(tokens / engine_s, 1),
-            "peft_tokens_per_s": round(tokens / peft_s, 1),
-            "ratio_engine_over_peft": round(peft_s / engine_s, 3), "goal": 0.95,
-            "other_load": [engine_other, peft_other]}
+    return {
+        "model": model,
+        "batch": f"{rows}x{length}",
+        "rank": rank,
+        "engine_tokens_per_s": round(tokens / engine_s, 1),
+        "peft_tokens_per_s": round(tokens / peft_s, 1),
+        "ratio_engine_over_peft": round(peft_s / engine_s, 3),
+        "goal": 0.95,
+        "other_load": [engine_other, peft_other],
+    }
 
 
 def bench_batching(engine: Engine, model: str, length: int, repeats: int) -> dict:
@@ -155,11 +178,17 @@ def bench_batching(engine: Engine, model: str, length: int, repeats: int) -> dic
     for rid in ids:
         engine.remove_run(rid)
     tokens = len(ids) * length
-    return {"model": model, "runs": len(ids), "ranks": list(ranks), "tokens_per_run": length,
-            "batched_tokens_per_s": round(tokens / batched_s, 1),
-            "sequential_tokens_per_s": round(tokens / seq_s, 1),
-            "ratio_batched_over_sequential": round(seq_s / batched_s, 3), "goal": 1.3,
-            "other_load": [b_other, s_other]}
+    return {
+        "model": model,
+        "runs": len(ids),
+        "ranks": list(ranks),
+        "tokens_per_run": length,
+        "batched_tokens_per_s": round(tokens / batched_s, 1),
+        "sequential_tokens_per_s": round(tokens / seq_s, 1),
+        "ratio_batched_over_sequential": round(seq_s / batched_s, 3),
+        "goal": 1.3,
+        "other_load": [b_other, s_other],
+    }
 
 
 def bench_sampling(engine: Engine, model: str, max_tokens: int, repeats: int) -> dict:
@@ -169,19 +198,29 @@ def bench_sampling(engine: Engine, model: str, max_tokens: int, repeats: int) ->
     for i in range(4):
         engine.create_run(f"bench-sample-{i}", model, LoraSpec(rank=16, seed=i))
         ids.append(f"bench-sample-{i}")
-    requests = [SampleRequest(prompt=rng.integers(0, vocab, 16).tolist(), run_id=ids[i % 4],
-                              params=SamplingParams(max_tokens=max_tokens, seed=i, stop=[]))
-                for i in range(16)]
+    requests = [
+        SampleRequest(
+            prompt=rng.integers(0, vocab, 16).tolist(),
+            run_id=ids[i % 4],
+            params=SamplingParams(max_tokens=max_tokens, seed=i, stop=[]),
+        )
+        for i in range(16)
+    ]
     batched_s, b_other = timed(lambda: engine.sample_batch(requests), repeats)
     alone_s, a_other = timed(lambda: [engine.sample(r) for r in requests], max(1, repeats // 2))
     for rid in ids:
         engine.remove_run(rid)
     tokens = 16 * max_tokens
-    return {"model": model, "requests": 16, "max_tokens": max_tokens,
-            "batched_tokens_per_s": round(tokens / batched_s, 1),
-            "one_at_a_time_tokens_per_s": round(tokens / alone_s, 1),
-            "ratio_batched_over_one_at_a_time": round(alone_s / batched_s, 3), "goal": 3.0,
-            "other_load": [b_other, a_other]}
+    return {
+        "model": model,
+        "requests": 16,
+        "max_tokens": max_tokens,
+        "batched_tokens_per_s": round(tokens / batched_s, 1),
+        "one_at_a_time_tokens_per_s": round(tokens / alone_s, 1),
+        "ratio_batched_over_one_at_a_time": round(alone_s / batched_s, 3),
+        "goal": 3.0,
+        "other_load": [b_other, a_other],
+    }
 
 
 def bench_memory(engine: Engine, model: str, runs: int, rank: int) -> dict:
@@ -201,10 +240,14 @@ def bench_memory(engine: Engine, model: str, runs: int, rank: int) -> dict:
     for i in range(runs):
         engine.remove_run(f"bench-mem-{i}")
     engine.remove_run("bench-mem-warm")
-    return {"model": model, "rank": rank, "runs_added": runs,
-            "rss_growth_per_run_mb": round(growth / 2**20, 2),
-            "adapter_plus_adam_mb": round(state / 2**20, 2),
-            "ratio_growth_over_state": round(growth / state, 3)}
+    return {
+        "model": model,
+        "rank": rank,
+        "runs_added": runs,
+        "rss_growth_per_run_mb": round(growth / 2**20, 2),
+        "adapter_plus_adam_mb": round(state / 2**20, 2),
+        "ratio_growth_over_state": round(growth / state, 3),
+    }
 
 
 def main() -> None:
@@ -217,20 +260,29 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, 2 repeats")
     parser.add_argument("--only", default="training,batching,sampling,memory")
     args = parser.parse_args()
-    engine = Engine(EngineSettings(device=args.device, precision=args.precision,
-                                   num_threads=args.threads, models=(args.model,)))
+    engine = Engine(
+        EngineSettings(
+            device=args.device,
+            precision=args.precision,
+            num_threads=args.threads,
+            models=(args.model,),
+        )
+    )
     repeats = 2 if args.quick else args.repeats
     rows, length = (2, 64) if args.quick else (8, 256)
     only = set(args.only.split(","))
-    report: dict = {"device": str(engine.device), "threads": torch.get_num_threads(),
-                    "precision": args.precision, "torch": torch.__version__}
+    report: dict = {
+        "device": str(engine.device),
+        "threads": torch.get_num_threads(),
+        "precision": args.precision,
+        "torch": torch.__version__,
+    }
     if "memory" in only:  # first, before other benchmarks leave freed memory to reuse
         report["memory"] = bench_memory(engine, args.model, 4 if args.quick else 16, 32)
     if "training" in only:
         report["training"] = bench_training(engine, args.model, rows, length, 32, repeats)
     if "batching" in only:  # long sequences per run, then short RL-style ones
-        report["batching"] = bench_batching(engine, args.model, 64 if args.quick else 256,
-                                            repeats)
+        report["batching"] = bench_batching(engine, args.model, 64 if args.quick else 256, repeats)
         report["batching_short"] = bench_batching(engine, args.model, 32, repeats)
     if "sampling" in only:
         report["sampling"] = bench_sampling(engine, args.model, 8 if args.quick else 32, repeats)

@@ -38,8 +38,9 @@ class SegmentLogprobs:
     lengths: list[int]
 
 
-def autocast_for(device: torch.device, dtype: torch.dtype | None
-                 ) -> contextlib.AbstractContextManager:
+def autocast_for(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -54,9 +55,13 @@ def lora_groups(ctx: LoraContext, groups: list[RowGroup]) -> Iterator[None]:
         ctx.groups = []
 
 
-def forward_logprobs(model: Any, ctx: LoraContext, segments: list[Segment],
-                     device: torch.device, autocast_dtype: torch.dtype | None
-                     ) -> list[SegmentLogprobs]:
+def forward_logprobs(
+    model: Any,
+    ctx: LoraContext,
+    segments: list[Segment],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> list[SegmentLogprobs]:
     """Target logprobs of every segment; differentiable when grad mode is on."""
     rows = [d for seg in segments for d in seg.datums]
     lengths = [d.tokens.size for d in rows]
@@ -88,17 +93,19 @@ def forward_logprobs(model: Any, ctx: LoraContext, segments: list[Segment],
 
     out: list[SegmentLogprobs] = []
     for seg, g in zip(segments, tok_groups, strict=True):
-        logits = logits_NV[g.start:g.end]
-        inputs = {k: torch.from_numpy(np.concatenate([d.inputs[k] for d in seg.datums])).to(device)
-                  for k in seg.datums[0].inputs}
+        logits = logits_NV[g.start : g.end]
+        inputs = {
+            k: torch.from_numpy(np.concatenate([d.inputs[k] for d in seg.datums])).to(device)
+            for k in seg.datums[0].inputs
+        }
         target = inputs["target_tokens"]
         if target.dim() == 1:
             logp = -F.cross_entropy(logits, target, reduction="none")
         else:
             logp = torch.log_softmax(logits, dim=-1).gather(1, target)
         seg_lengths = [d.tokens.size for d in seg.datums]
-        datum_N = torch.repeat_interleave(torch.arange(len(seg_lengths), device=device),
-                                          torch.tensor(seg_lengths, device=device))
-        out.append(SegmentLogprobs(logp=logp, inputs=inputs, datum_N=datum_N,
-                                   lengths=seg_lengths))
+        datum_N = torch.repeat_interleave(
+            torch.arange(len(seg_lengths), device=device), torch.tensor(seg_lengths, device=device)
+        )
+        out.append(SegmentLogprobs(logp=logp, inputs=inputs, datum_N=datum_N, lengths=seg_lengths))
     return out

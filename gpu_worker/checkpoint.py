@@ -33,8 +33,10 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 def save_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {PEFT_PREFIX + k: v.to("cpu", torch.float32).contiguous()
-               for k, v in adapter.named_tensors().items()}
+    tensors = {
+        PEFT_PREFIX + k: v.to("cpu", torch.float32).contiguous()
+        for k, v in adapter.named_tensors().items()
+    }
     save_file(tensors, str(folder / ADAPTER_FILE))
     spec = adapter.spec
     config = {
@@ -55,11 +57,21 @@ def save_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> None:
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def save_state(adapter: LoraAdapter, optimizer: torch.optim.Optimizer | None, steps: int,
-               folder: Path, base_model: str) -> None:
+def save_state(
+    adapter: LoraAdapter,
+    optimizer: torch.optim.Optimizer | None,
+    steps: int,
+    folder: Path,
+    base_model: str,
+) -> None:
     save_adapter(adapter, folder, base_model)
-    meta = {"format": 1, "base_model": base_model, "lora": asdict(adapter.spec),
-            "optim_steps": steps, "has_optimizer": optimizer is not None}
+    meta = {
+        "format": 1,
+        "base_model": base_model,
+        "lora": asdict(adapter.spec),
+        "optim_steps": steps,
+        "has_optimizer": optimizer is not None,
+    }
     if optimizer is not None:
         tensors: dict[str, torch.Tensor] = {}
         names = [f"{n}.{ab}" for n in sorted(adapter.weights) for ab in ("lora_A", "lora_B")]
@@ -67,8 +79,9 @@ def save_state(adapter: LoraAdapter, optimizer: torch.optim.Optimizer | None, st
             state = optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 if key in state:
-                    tensors[f"{name}.{key}"] = state[key].detach().to("cpu").reshape(
-                        state[key].shape).contiguous()
+                    tensors[f"{name}.{key}"] = (
+                        state[key].detach().to("cpu").reshape(state[key].shape).contiguous()
+                    )
         save_file(tensors, str(folder / OPTIMIZER_FILE))
     elif (folder / OPTIMIZER_FILE).exists():
         (folder / OPTIMIZER_FILE).unlink()
@@ -78,8 +91,10 @@ def save_state(adapter: LoraAdapter, optimizer: torch.optim.Optimizer | None, st
 def read_meta(folder: Path) -> dict:
     path = folder / STATE_FILE
     if not path.exists():
-        raise UserInputError(f"{folder} is not a saved training state ({STATE_FILE} missing); "
-                             "pass a path written by save_state")
+        raise UserInputError(
+            f"{folder} is not a saved training state ({STATE_FILE} missing); "
+            "pass a path written by save_state"
+        )
     return json.loads(path.read_text())
 
 
@@ -92,12 +107,15 @@ def load_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix(PEFT_PREFIX): v for k, v in raw.items()}
 
 
-def load_optimizer_state(adapter: LoraAdapter, optimizer: torch.optim.Optimizer,
-                         folder: Path) -> None:
+def load_optimizer_state(
+    adapter: LoraAdapter, optimizer: torch.optim.Optimizer, folder: Path
+) -> None:
     path = folder / OPTIMIZER_FILE
     if not path.exists():
-        raise UserInputError(f"{folder} holds no optimizer state; load it without the optimizer "
-                             "or pick a state saved with include_optimizer=True")
+        raise UserInputError(
+            f"{folder} holds no optimizer state; load it without the optimizer "
+            "or pick a state saved with include_optimizer=True"
+        )
     tensors = load_file(str(path))
     names = [f"{n}.{ab}" for n in sorted(adapter.weights) for ab in ("lora_A", "lora_B")]
     optimizer.state.clear()
@@ -112,8 +130,9 @@ def load_optimizer_state(adapter: LoraAdapter, optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def export_merged(model: Any, adapter: LoraAdapter | None, folder: Path,
-                  tokenizer_dir: Path) -> None:
+def export_merged(
+    model: Any, adapter: LoraAdapter | None, folder: Path, tokenizer_dir: Path
+) -> None:
     """Write a transformers-loadable folder whose weights are base + scale · B A."""
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
@@ -132,6 +151,7 @@ def export_merged(model: Any, adapter: LoraAdapter | None, folder: Path,
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(folder))
     for f in tokenizer_dir.iterdir():
-        if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "chat_template",
-                                               "vocab", "merges"))):
+        if f.is_file() and (
+            f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges"))
+        ):
             shutil.copy(f, folder / f.name)

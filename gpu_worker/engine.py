@@ -112,10 +112,10 @@ class Engine:
             raise ValueError(f"precision {precision!r}: use auto, fp32, bf16-autocast or bf16")
         self.weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         self.autocast_dtype = torch.bfloat16 if precision.startswith("bf16") else None
-        self.max_tokens_per_pass = self.settings.max_tokens_per_pass or (
-            16384 if on_cuda else 512)
-        self.catalog = Catalog(list(self.settings.catalog_entries), self.settings.aliases,
-                               self.settings.cache_dir)
+        self.max_tokens_per_pass = self.settings.max_tokens_per_pass or (16384 if on_cuda else 512)
+        self.catalog = Catalog(
+            list(self.settings.catalog_entries), self.settings.aliases, self.settings.cache_dir
+        )
         self._models: dict[str, _Model] = {}
         self._runs: dict[str, _Run] = {}
         self._lock = threading.RLock()
@@ -207,13 +207,23 @@ class Engine:
 
     # --- training -----------------------------------------------------------------------
 
-    def forward(self, run_id: str, data: list[Datum], loss_fn: str = "cross_entropy",
-                loss_fn_config: dict[str, float] | None = None) -> ForwardBackwardResult:
+    def forward(
+        self,
+        run_id: str,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> ForwardBackwardResult:
         op = ForwardBackwardOp(run_id, data, loss_fn, loss_fn_config, forward_only=True)
         return self._single(op)
 
-    def forward_backward(self, run_id: str, data: list[Datum], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict[str, float] | None = None) -> ForwardBackwardResult:
+    def forward_backward(
+        self,
+        run_id: str,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> ForwardBackwardResult:
         return self._single(ForwardBackwardOp(run_id, data, loss_fn, loss_fn_config))
 
     def _single(self, op: ForwardBackwardOp) -> ForwardBackwardResult:
@@ -221,8 +231,9 @@ class Engine:
             prepared = self._prepare(op)
             return self._execute([prepared])[0]
 
-    def forward_backward_batch(self, ops: list[ForwardBackwardOp]
-                               ) -> list[ForwardBackwardResult | OpError]:
+    def forward_backward_batch(
+        self, ops: list[ForwardBackwardOp]
+    ) -> list[ForwardBackwardResult | OpError]:
         """Run several ops (several runs) in as few passes as possible; one result per op."""
         with self._lock:
             results: list[ForwardBackwardResult | OpError | None] = [None] * len(ops)
@@ -244,8 +255,9 @@ class Engine:
                     for (i, _), out in zip(members, outs, strict=True):
                         results[i] = out
                 except Exception:
-                    log.exception("batched pass failed; retrying its %d ops one by one",
-                                  len(members))
+                    log.exception(
+                        "batched pass failed; retrying its %d ops one by one", len(members)
+                    )
                     for i, p in members:
                         try:
                             results[i] = self._execute([p])[0]
@@ -253,23 +265,29 @@ class Engine:
                             results[i] = OpError.of_input(exc)
                         except Exception as exc:
                             results[i] = OpError("server", f"{type(exc).__name__}: {exc}")
-            return [r if r is not None else OpError("server", "op was not executed")
-                    for r in results]
+            return [
+                r if r is not None else OpError("server", "op was not executed") for r in results
+            ]
 
     def _prepare(self, op: ForwardBackwardOp) -> _Prepared:
         run = self._run(op.run_id)
         config = check_loss_config(op.loss_fn, op.loss_fn_config)
         info = run.model.info
-        datums = check_datums(op.data, op.loss_fn, info.vocab_size, info.max_context_length,
-                              config)
+        datums = check_datums(op.data, op.loss_fn, info.vocab_size, info.max_context_length, config)
         return _Prepared(op, run, datums, config)
 
     def _execute(self, prepared: list[_Prepared]) -> list[ForwardBackwardResult]:
         m = prepared[0].run.model
         ops = [TrainOp(p.run.adapter, p.datums, p.op.loss_fn, p.config) for p in prepared]
-        return run_ops(m.model, m.ctx, ops, backward=not prepared[0].op.forward_only,
-                       device=self.device, autocast_dtype=self.autocast_dtype,
-                       max_tokens_per_pass=self.max_tokens_per_pass)
+        return run_ops(
+            m.model,
+            m.ctx,
+            ops,
+            backward=not prepared[0].op.forward_only,
+            device=self.device,
+            autocast_dtype=self.autocast_dtype,
+            max_tokens_per_pass=self.max_tokens_per_pass,
+        )
 
     def optim_step(self, run_id: str, adam: AdamParams) -> OptimStepResult:
         with self._lock:
@@ -277,26 +295,39 @@ class Engine:
             check_adam(adam)
             params = run.adapter.parameters()
             grads = [p.grad for p in params if p.grad is not None]
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
+            norm = (
+                torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                if grads
+                else None
+            )
             grad_norm = float(norm) if norm is not None else 0.0
             if grads and not np.isfinite(grad_norm):
                 run.adapter.zero_grad()
-                raise UserInputError("the accumulated gradient is not finite (NaN or inf); the "
-                                     "step was skipped and gradients cleared: lower the "
-                                     "learning rate or check advantages/weights")
+                raise UserInputError(
+                    "the accumulated gradient is not finite (NaN or inf); the "
+                    "step was skipped and gradients cleared: lower the "
+                    "learning rate or check advantages/weights"
+                )
             if adam.grad_clip_norm > 0 and grads and grad_norm > adam.grad_clip_norm:
                 for g in grads:
                     g.mul_(adam.grad_clip_norm / (grad_norm + 1e-6))
             for group in run.optimizer.param_groups:
-                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
-                             eps=adam.eps, weight_decay=adam.weight_decay)
+                group.update(
+                    lr=adam.learning_rate,
+                    betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps,
+                    weight_decay=adam.weight_decay,
+                )
             run.optimizer.step()
             run.adapter.zero_grad()
             run.steps += 1
-            return OptimStepResult({"grad_norm:mean": grad_norm,
-                                    "learning_rate:mean": adam.learning_rate,
-                                    "step:max": float(run.steps)})
+            return OptimStepResult(
+                {
+                    "grad_norm:mean": grad_norm,
+                    "learning_rate:mean": adam.learning_rate,
+                    "step:max": float(run.steps),
+                }
+            )
 
     def clear_gradients(self, run_id: str) -> None:
         """Drop the gradients accumulated since the last optimizer step; weights and optimizer
@@ -321,13 +352,21 @@ class Engine:
                 try:
                     m, adapter = self._sampler(req.run_id, req.base_model)
                     info = m.info
-                    prompt = check_tokens(req.prompt, info.vocab_size, info.max_context_length,
-                                          "prompt")
-                    check_sampling(req.params, prompt.size, info.max_context_length,
-                                   req.num_samples)
+                    prompt = check_tokens(
+                        req.prompt, info.vocab_size, info.max_context_length, "prompt"
+                    )
+                    check_sampling(
+                        req.params, prompt.size, info.max_context_length, req.num_samples
+                    )
                     stop_ids, stop_strings = sampling.resolve_stop(req.params.stop, self._eos(m))
-                    job = sampling.Job(prompt.tolist(), req.params, req.num_samples, adapter,
-                                       stop_ids, stop_strings)
+                    job = sampling.Job(
+                        prompt.tolist(),
+                        req.params,
+                        req.num_samples,
+                        adapter,
+                        stop_ids,
+                        stop_strings,
+                    )
                     by_model.setdefault(m.name, []).append((i, job))
                 except UserInputError as exc:
                     out[i] = OpError.of_input(exc)
@@ -335,8 +374,9 @@ class Engine:
                 m = self._models[name]
                 try:
                     jobs = [job for _, job in members]
-                    sampling.sample_jobs(m.model, m.ctx, self._tokenizer(m), jobs, self.device,
-                                         self.autocast_dtype)
+                    sampling.sample_jobs(
+                        m.model, m.ctx, self._tokenizer(m), jobs, self.device, self.autocast_dtype
+                    )
                     for i, job in members:
                         out[i] = self._sample_result(m, requests[i], job)
                 except Exception as exc:
@@ -348,37 +388,49 @@ class Engine:
     def _sample_result(self, m: _Model, req: SampleRequest, job: sampling.Job) -> SampleResult:
         lp, top = None, None
         if req.prompt_logprobs or req.topk_prompt_logprobs > 0:
-            lp, top = sampling.prompt_scores(m.model, m.ctx, job.adapter, job.prompt,
-                                             req.topk_prompt_logprobs, self.device,
-                                             self.autocast_dtype)
+            lp, top = sampling.prompt_scores(
+                m.model,
+                m.ctx,
+                job.adapter,
+                job.prompt,
+                req.topk_prompt_logprobs,
+                self.device,
+                self.autocast_dtype,
+            )
         sampled = sum(len(s.tokens) for s in job.sequences)
         usage = Usage(prefill_tokens=len(job.prompt), sampled_tokens=sampled)
         return SampleResult(job.sequences, lp if req.prompt_logprobs else None, top, usage)
 
-    def compute_logprobs(self, run_id: str | None, tokens: list[int], *,
-                         base_model: str | None = None, topk: int = 0) -> SampleResult:
+    def compute_logprobs(
+        self, run_id: str | None, tokens: list[int], *, base_model: str | None = None, topk: int = 0
+    ) -> SampleResult:
         """Prompt logprobs of `tokens` (NaN at position 0) and optional top-k per position."""
         with self._lock:
             m, adapter = self._sampler(run_id, base_model)
             prompt = check_tokens(tokens, m.info.vocab_size, m.info.max_context_length, "prompt")
-            lp, top = sampling.prompt_scores(m.model, m.ctx, adapter, prompt.tolist(), topk,
-                                             self.device, self.autocast_dtype)
+            lp, top = sampling.prompt_scores(
+                m.model, m.ctx, adapter, prompt.tolist(), topk, self.device, self.autocast_dtype
+            )
             return SampleResult([], lp, top, Usage(prefill_tokens=int(prompt.size)))
 
-    def logits(self, run_id: str | None, tokens: list[int], *,
-               base_model: str | None = None) -> np.ndarray:
+    def logits(
+        self, run_id: str | None, tokens: list[int], *, base_model: str | None = None
+    ) -> np.ndarray:
         """Raw next-token logits (T, V) for one sequence, for checks and debugging."""
         with self._lock, torch.no_grad():
             m, adapter = self._sampler(run_id, base_model)
             prompt = check_tokens(tokens, m.info.vocab_size, m.info.max_context_length, "tokens")
             ids = torch.from_numpy(prompt)[None].to(self.device)
-            with sampling.autocast_for(self.device, self.autocast_dtype), \
-                    sampling.lora_groups(m.ctx, [sampling.RowGroup(0, 1, adapter)]):
+            with (
+                sampling.autocast_for(self.device, self.autocast_dtype),
+                sampling.lora_groups(m.ctx, [sampling.RowGroup(0, 1, adapter)]),
+            ):
                 out = m.model(input_ids=ids).logits[0]
             return out.float().cpu().numpy()
 
-    def _sampler(self, run_id: str | None, base_model: str | None
-                 ) -> tuple[_Model, LoraAdapter | None]:
+    def _sampler(
+        self, run_id: str | None, base_model: str | None
+    ) -> tuple[_Model, LoraAdapter | None]:
         if run_id is not None:
             run = self._run(run_id)
             return run.model, run.adapter
@@ -399,23 +451,36 @@ class Engine:
     def save_state(self, run_id: str, path: str | Path, include_optimizer: bool = True) -> None:
         with self._lock:
             run = self._run(run_id)
-            checkpoint.save_state(run.adapter, run.optimizer if include_optimizer else None,
-                                  run.steps, Path(path), run.model.name)
+            checkpoint.save_state(
+                run.adapter,
+                run.optimizer if include_optimizer else None,
+                run.steps,
+                Path(path),
+                run.model.name,
+            )
 
-    def load_state(self, run_id: str, path: str | Path, include_optimizer: bool = True,
-                   base_model: str | None = None) -> None:
+    def load_state(
+        self,
+        run_id: str,
+        path: str | Path,
+        include_optimizer: bool = True,
+        base_model: str | None = None,
+    ) -> None:
         """Replace (or create) the run from a saved state; gradients are cleared."""
         with self._lock:
             folder = Path(path)
             meta = checkpoint.read_meta(folder)
             spec = checkpoint.spec_from_meta(meta)
             check_lora_spec(spec, self.settings.max_lora_rank)
-            name = base_model or (self._runs[run_id].model.name if run_id in self._runs
-                                  else meta["base_model"])
+            name = base_model or (
+                self._runs[run_id].model.name if run_id in self._runs else meta["base_model"]
+            )
             m = self._model(name)
             if self.catalog.resolve(meta["base_model"]).name != m.name:
-                raise UserInputError(f"state at {folder} was trained on {meta['base_model']}, "
-                                     f"not {m.name}; load it into a run on that base model")
+                raise UserInputError(
+                    f"state at {folder} was trained on {meta['base_model']}, "
+                    f"not {m.name}; load it into a run on that base model"
+                )
             run = self._new_run(run_id, m, spec)
             run.adapter.load_named_tensors(checkpoint.load_adapter_tensors(folder))
             if include_optimizer:
@@ -431,5 +496,6 @@ class Engine:
         """A Hugging Face model folder with the adapter merged in, plus tokenizer files."""
         with self._lock:
             run = self._run(run_id)
-            checkpoint.export_merged(run.model.model, run.adapter, Path(path),
-                                     self.tokenizer_dir(run.model.name))
+            checkpoint.export_merged(
+                run.model.model, run.adapter, Path(path), self.tokenizer_dir(run.model.name)
+            )

@@ -30,8 +30,9 @@ UNEMBED_TARGET = "lm_head"
 class LoraAdapter:
     """One run's LoRA weights: per module name, A (r, in) and B (out, r) fp32 Parameters."""
 
-    def __init__(self, spec: LoraSpec, shapes: dict[str, tuple[int, int]],
-                 device: torch.device) -> None:
+    def __init__(
+        self, spec: LoraSpec, shapes: dict[str, tuple[int, int]], device: torch.device
+    ) -> None:
         self.spec = spec
         self.scale = spec.alpha / spec.rank
         self.weights: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -111,9 +112,12 @@ class MultiLoraLinear(nn.Module):
         # Groups tile the batch in order. split() (not per-group slicing) keeps the backward
         # to one concatenation instead of one full-size zero-filled gradient per group.
         xs = x.split([g.end - g.start for g in groups], dim=0)
-        deltas = [self._delta(x_g, g.adapter) if has
-                  else x_g.new_zeros(*x_g.shape[:-1], self.out_features)
-                  for x_g, g, has in zip(xs, groups, present, strict=True)]
+        deltas = [
+            self._delta(x_g, g.adapter)
+            if has
+            else x_g.new_zeros(*x_g.shape[:-1], self.out_features)
+            for x_g, g, has in zip(xs, groups, present, strict=True)
+        ]
         return y + torch.cat(deltas, dim=0)
 
     def _has(self, g: RowGroup) -> bool:
@@ -134,8 +138,11 @@ def inject(model: nn.Module) -> tuple[LoraContext, dict[str, MultiLoraLinear]]:
     ctx = LoraContext()
     wrapped: dict[str, MultiLoraLinear] = {}
     short_names = set(ATTN_TARGETS + MLP_TARGETS + (UNEMBED_TARGET,))
-    targets = [(n, m) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in short_names]
+    targets = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in short_names
+    ]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -147,8 +154,9 @@ def inject(model: nn.Module) -> tuple[LoraContext, dict[str, MultiLoraLinear]]:
     return ctx, wrapped
 
 
-def adapter_shapes(wrapped: dict[str, MultiLoraLinear], spec: LoraSpec
-                   ) -> dict[str, tuple[int, int]]:
+def adapter_shapes(
+    wrapped: dict[str, MultiLoraLinear], spec: LoraSpec
+) -> dict[str, tuple[int, int]]:
     """(out, in) of each module this spec's flags select."""
     chosen: set[str] = set()
     if spec.train_attn:
@@ -157,8 +165,11 @@ def adapter_shapes(wrapped: dict[str, MultiLoraLinear], spec: LoraSpec
         chosen |= set(MLP_TARGETS)
     if spec.train_unembed:
         chosen.add(UNEMBED_TARGET)
-    return {name: (m.out_features, m.in_features) for name, m in wrapped.items()
-            if name.rsplit(".", 1)[-1] in chosen}
+    return {
+        name: (m.out_features, m.in_features)
+        for name, m in wrapped.items()
+        if name.rsplit(".", 1)[-1] in chosen
+    }
 
 
 def parameters_per_rank(model: nn.Module) -> dict[str, int]:

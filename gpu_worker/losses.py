@@ -64,8 +64,9 @@ class LossOutput:
     metrics: dict[str, float]
 
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dict[str, float]],
-                  LossOutput]
+LossFn = Callable[
+    [torch.Tensor, dict[str, torch.Tensor], torch.Tensor, int, dict[str, float]], LossOutput
+]
 
 
 def _finish(elementwise: torch.Tensor, extra: dict[str, float] | None = None) -> LossOutput:
@@ -78,14 +79,23 @@ def _finish(elementwise: torch.Tensor, extra: dict[str, float] | None = None) ->
     return LossOutput(loss=loss, elementwise_N=per_token, metrics=metrics)
 
 
-def cross_entropy(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Tensor,
-                  num_datums: int, config: dict[str, float]) -> LossOutput:
+def cross_entropy(
+    logp: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    datum_N: torch.Tensor,
+    num_datums: int,
+    config: dict[str, float],
+) -> LossOutput:
     return _finish(-inputs["weights"] * logp)
 
 
-def importance_sampling(logp: torch.Tensor, inputs: dict[str, torch.Tensor],
-                        datum_N: torch.Tensor, num_datums: int,
-                        config: dict[str, float]) -> LossOutput:
+def importance_sampling(
+    logp: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    datum_N: torch.Tensor,
+    num_datums: int,
+    config: dict[str, float],
+) -> LossOutput:
     ratio = torch.exp(logp - inputs["logprobs"])
     return _finish(-ratio * inputs["advantages"])
 
@@ -93,13 +103,16 @@ def importance_sampling(logp: torch.Tensor, inputs: dict[str, torch.Tensor],
 Threshold = float | torch.Tensor
 
 
-def _thresholds(inputs: dict[str, torch.Tensor], config: dict[str, float]
-                ) -> tuple[Threshold, Threshold]:
+def _thresholds(
+    inputs: dict[str, torch.Tensor], config: dict[str, float]
+) -> tuple[Threshold, Threshold]:
     """Per-token thresholds where the datums sent them, else loss_fn_config's."""
     lo = inputs.get("clip_low_threshold")
     hi = inputs.get("clip_high_threshold")
-    return (config["clip_low_threshold"] if lo is None else lo,
-            config["clip_high_threshold"] if hi is None else hi)
+    return (
+        config["clip_low_threshold"] if lo is None else lo,
+        config["clip_high_threshold"] if hi is None else hi,
+    )
 
 
 def _clamp(ratio: torch.Tensor, lo: Threshold, hi: Threshold) -> torch.Tensor:
@@ -110,8 +123,9 @@ def _clamp(ratio: torch.Tensor, lo: Threshold, hi: Threshold) -> torch.Tensor:
     return torch.clamp(ratio, lo, hi)
 
 
-def _clipped(ratio: torch.Tensor, adv: torch.Tensor, lo: Threshold, hi: Threshold
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+def _clipped(
+    ratio: torch.Tensor, adv: torch.Tensor, lo: Threshold, hi: Threshold
+) -> tuple[torch.Tensor, dict[str, float]]:
     unclipped = ratio * adv
     clipped = _clamp(ratio, lo, hi) * adv
     objective = torch.minimum(unclipped, clipped)
@@ -119,28 +133,48 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, lo: Threshold, hi: Threshol
     return -objective, {"clipped_tokens:sum": frac}
 
 
-def ppo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Tensor,
-        num_datums: int, config: dict[str, float]) -> LossOutput:
+def ppo(
+    logp: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    datum_N: torch.Tensor,
+    num_datums: int,
+    config: dict[str, float],
+) -> LossOutput:
     ratio = torch.exp(logp - inputs["logprobs"])
     elementwise, extra = _clipped(ratio, inputs["advantages"], *_thresholds(inputs, config))
     return _finish(elementwise, extra)
 
 
-def cispo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Tensor,
-          num_datums: int, config: dict[str, float]) -> LossOutput:
+def cispo(
+    logp: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    datum_N: torch.Tensor,
+    num_datums: int,
+    config: dict[str, float],
+) -> LossOutput:
     ratio = torch.exp(logp.detach() - inputs["logprobs"])
     weight = _clamp(ratio, *_thresholds(inputs, config))
     return _finish(-weight * logp * inputs["advantages"])
 
 
-def dro(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Tensor,
-        num_datums: int, config: dict[str, float]) -> LossOutput:
+def dro(
+    logp: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    datum_N: torch.Tensor,
+    num_datums: int,
+    config: dict[str, float],
+) -> LossOutput:
     diff = logp - inputs["logprobs"]
     return _finish(-(logp * inputs["advantages"] - 0.5 * config["beta"] * diff * diff))
 
 
-def gspo(logp: torch.Tensor, inputs: dict[str, torch.Tensor], datum_N: torch.Tensor,
-         num_datums: int, config: dict[str, float]) -> LossOutput:
+def gspo(
+    logp: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    datum_N: torch.Tensor,
+    num_datums: int,
+    config: dict[str, float],
+) -> LossOutput:
     in_ratio = (inputs["sequence_ratio_mask"] != 0).to(logp.dtype)
     log_ratio_N = (logp.detach() - inputs["logprobs"]) * in_ratio
     total_D = torch.zeros(num_datums, dtype=logp.dtype, device=logp.device)

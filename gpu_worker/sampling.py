@@ -47,8 +47,9 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
 
 
-def resolve_stop(stop: list[str] | list[int] | str | None, eos_ids: list[int]
-                 ) -> tuple[set[int], list[str]]:
+def resolve_stop(
+    stop: list[str] | list[int] | str | None, eos_ids: list[int]
+) -> tuple[set[int], list[str]]:
     if stop is None:
         return set(eos_ids), []
     if isinstance(stop, str):
@@ -86,8 +87,14 @@ def _choose(logits_V: torch.Tensor, params: SamplingParams, gen: torch.Generator
 
 
 @torch.no_grad()
-def sample_jobs(model: Any, ctx: LoraContext, tokenizer: object, jobs: list[Job],
-                device: torch.device, autocast_dtype: torch.dtype | None) -> int:
+def sample_jobs(
+    model: Any,
+    ctx: LoraContext,
+    tokenizer: object,
+    jobs: list[Job],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> int:
     """Fill each job's `sequences`; returns the number of sampled tokens."""
     from transformers import DynamicCache
 
@@ -96,14 +103,19 @@ def sample_jobs(model: Any, ctx: LoraContext, tokenizer: object, jobs: list[Job]
     tokens_RP = torch.zeros((R, P), dtype=torch.long)
     mask_RP = torch.zeros((R, P), dtype=torch.long)
     for r, job in enumerate(jobs):
-        tokens_RP[r, P - len(job.prompt):] = torch.tensor(job.prompt)
-        mask_RP[r, P - len(job.prompt):] = 1
+        tokens_RP[r, P - len(job.prompt) :] = torch.tensor(job.prompt)
+        mask_RP[r, P - len(job.prompt) :] = 1
     pos_RP = (mask_RP.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     with autocast_for(device, autocast_dtype), lora_groups(ctx, _groups(list(range(R)), jobs)):
-        out = model(input_ids=tokens_RP.to(device), attention_mask=mask_RP.to(device),
-                    position_ids=pos_RP.to(device), cache=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=tokens_RP.to(device),
+            attention_mask=mask_RP.to(device),
+            position_ids=pos_RP.to(device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     last_RV = out.logits[:, -1].float().cpu()
 
     rows: list[_Row] = []
@@ -136,8 +148,13 @@ def sample_jobs(model: Any, ctx: LoraContext, tokenizer: object, jobs: list[Job]
                 and any(s in tokenizer.decode(row.tokens) for s in job.stop_strings)  # type: ignore[attr-defined]
             )
             if stop or len(row.tokens) >= job.params.max_tokens:
-                job.sequences.append(SampledSequence(tokens=row.tokens, logprobs=row.logprobs,
-                                                     stop_reason="stop" if stop else "length"))
+                job.sequences.append(
+                    SampledSequence(
+                        tokens=row.tokens,
+                        logprobs=row.logprobs,
+                        stop_reason="stop" if stop else "length",
+                    )
+                )
             else:
                 keep.append(a)
                 fed.append(tok)
@@ -152,18 +169,28 @@ def sample_jobs(model: Any, ctx: LoraContext, tokenizer: object, jobs: list[Job]
         step_tokens = torch.tensor(fed, device=device)[:, None]
         groups = _groups([row.job for row in rows], jobs)
         with autocast_for(device, autocast_dtype), lora_groups(ctx, groups):
-            out = model(input_ids=step_tokens, attention_mask=mask,
-                        position_ids=next_pos[:, None], cache=cache, use_cache=True)
+            out = model(
+                input_ids=step_tokens,
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                cache=cache,
+                use_cache=True,
+            )
         last = out.logits[:, -1].float().cpu()
         next_pos = next_pos + 1
     return sampled
 
 
 @torch.no_grad()
-def prompt_scores(model: Any, ctx: LoraContext, adapter: LoraAdapter | None,
-                  prompt: list[int], topk: int, device: torch.device,
-                  autocast_dtype: torch.dtype | None
-                  ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+def prompt_scores(
+    model: Any,
+    ctx: LoraContext,
+    adapter: LoraAdapter | None,
+    prompt: list[int],
+    topk: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """logprob of each prompt token given the ones before (NaN at 0), and optional top-k."""
     tokens = torch.tensor([prompt], device=device)
     with autocast_for(device, autocast_dtype), lora_groups(ctx, [RowGroup(0, 1, adapter)]):

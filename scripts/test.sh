@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TINKER_TELEMETRY=0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TREADLE_TORCH_THREADS=${TREADLE_TORCH_THREADS:-1}
 
 if [ $# -eq 0 ]; then
-    echo "== ruff"; ruff check .
+    echo "== ruff"; ruff check .; ruff format --check .
     echo "== mypy"; mypy
 fi
 echo "== pytest"

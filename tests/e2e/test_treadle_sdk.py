@@ -42,6 +42,7 @@ from treadle import cli, types
 
 pytestmark = pytest.mark.e2e
 
+
 @pytest.fixture
 def service(live_server: LiveServer) -> Iterator[treadle.ServiceClient]:
     with treadle.ServiceClient(

@@ -19,6 +19,7 @@ from tests.integration.helpers import DATUM, MODEL, op
 
 pytestmark = pytest.mark.integration
 
+
 def _train(
     client: TestClient, headers: dict[str, str], session_id: str, model_seq_id: int, steps: int
 ) -> str:

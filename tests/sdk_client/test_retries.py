@@ -22,6 +22,7 @@ from treadle._http import HttpClient, RetryPolicy, retry_after_seconds
 
 pytestmark = pytest.mark.unit
 
+
 def client_for(server: FakeServer, retry: RetryPolicy = FAST) -> treadle.ServiceClient:
     return treadle.ServiceClient(
         base_url="http://fake", api_key="tml-test", transport=server.transport(), retry=retry
