@@ -117,17 +117,17 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     return app
 
 
+def _expire_idle(state: AppState) -> list[str]:
+    with state.database.transaction() as db:
+        return session_service.expire_idle(db, state.clock, state.settings.session_ttl_seconds)
+
+
 async def _sweep_expired_sessions(state: AppState) -> None:
     """Expire silent sessions periodically so their slots and resources are freed."""
     while True:
         await asyncio.sleep(state.settings.expiry_sweep_seconds)
         try:
-            expired = await asyncio.to_thread(
-                session_service.expire_idle,
-                state.database,
-                state.clock,
-                state.settings.session_ttl_seconds,
-            )
+            expired = await asyncio.to_thread(_expire_idle, state)
             if expired:
                 logger.info("expired %d idle sessions", len(expired))
         except Exception:

@@ -16,7 +16,6 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
-from core.db import Database
 from core.errors import ErrorCode, NotFound, QuotaExceeded, SessionExpired
 from core.ids import new_session_id
 from core.tables import SamplingSession, Session, SessionStatus, Tenant, TrainingRun
@@ -48,7 +47,7 @@ def _expire_stale(
 
 
 def create_session(
-    database: Database,
+    db: OrmSession,
     clock: Clock,
     *,
     tenant_id: str,
@@ -62,47 +61,47 @@ def create_session(
 ) -> Session:
     """Open a session if the tenant is under its concurrent-session limit.
 
-    The check and the insert are one serialised transaction (tenant row lock on PostgreSQL,
-    an immediate write lock on SQLite), so concurrent calls can never overshoot the limit.
+    The caller's transaction serialises the check and the insert (tenant row lock on
+    PostgreSQL, the write lock of a write transaction on SQLite), so concurrent calls can never
+    overshoot the limit.
     """
-    with database.transaction() as db:
-        tenant = db.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update())
-        if tenant is None:
-            raise NotFound("tenant not found")
-        _expire_stale(db, clock, ttl_seconds, tenant_id)
-        open_count = (
-            db.scalar(
-                select(func.count())
-                .select_from(Session)
-                .where(Session.tenant_id == tenant_id, Session.status == SessionStatus.ACTIVE)
-            )
-            or 0
+    tenant = db.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update())
+    if tenant is None:
+        raise NotFound("tenant not found")
+    _expire_stale(db, clock, ttl_seconds, tenant_id)
+    open_count = (
+        db.scalar(
+            select(func.count())
+            .select_from(Session)
+            .where(Session.tenant_id == tenant_id, Session.status == SessionStatus.ACTIVE)
         )
-        if open_count >= tenant.max_concurrent_sessions:
-            raise QuotaExceeded(
-                f"concurrent session limit reached: tenant {tenant.name!r} allows "
-                f"{tenant.max_concurrent_sessions} open sessions and {open_count} are open"
-                f"{_describe_open(db, clock, tenant_id, open_count)}; end one with "
-                "`treadle sessions end ID` (or RestClient.end_session(ID), or close() its "
-                f"ServiceClient), let an idle one expire ({int(ttl_seconds)} s without heartbeat), "
-                "or ask the operator to raise max_concurrent_sessions"
-            )
-        now = clock.now()
-        session = Session(
-            id=new_session_id(),
-            tenant_id=tenant_id,
-            api_key_id=api_key_id,
-            status=SessionStatus.ACTIVE,
-            tags=list(tags),
-            user_metadata=user_metadata,
-            sdk_version=sdk_version,
-            project_id=project_id,
-            display_name=display_name,
-            created_at=now,
-            last_heartbeat_at=now,
+        or 0
+    )
+    if open_count >= tenant.max_concurrent_sessions:
+        raise QuotaExceeded(
+            f"concurrent session limit reached: tenant {tenant.name!r} allows "
+            f"{tenant.max_concurrent_sessions} open sessions and {open_count} are open"
+            f"{_describe_open(db, clock, tenant_id, open_count)}; end one with "
+            "`treadle sessions end ID` (or RestClient.end_session(ID), or close() its "
+            f"ServiceClient), let an idle one expire ({int(ttl_seconds)} s without heartbeat), "
+            "or ask the operator to raise max_concurrent_sessions"
         )
-        db.add(session)
-        return session
+    now = clock.now()
+    session = Session(
+        id=new_session_id(),
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        status=SessionStatus.ACTIVE,
+        tags=list(tags),
+        user_metadata=user_metadata,
+        sdk_version=sdk_version,
+        project_id=project_id,
+        display_name=display_name,
+        created_at=now,
+        last_heartbeat_at=now,
+    )
+    db.add(session)
+    return session
 
 
 _LISTED_IN_QUOTA_ERROR = 5
@@ -171,17 +170,22 @@ def _ended_message(session: Session) -> str:
 
 
 def heartbeat(
-    database: Database, clock: Clock, *, tenant_id: str, session_id: str, ttl_seconds: float
+    db: OrmSession, clock: Clock, *, tenant_id: str, session_id: str, ttl_seconds: float
 ) -> Session:
-    with database.transaction() as db:
-        session = _owned(db, tenant_id, session_id)
-        _refresh_expiry(session, clock, ttl_seconds)
-        if session.status != SessionStatus.ACTIVE:
-            ended = SessionExpired(_ended_message(session))
-        else:
-            session.last_heartbeat_at = clock.now()
-            return session
-    raise ended  # outside the transaction, so a lazy expiry above is committed
+    """Record a sign of life of an open session; an ended one (or one found expired now) is
+    returned unchanged: the caller commits, then refuses with `require_open`, so that a lazy
+    expiry is kept."""
+    session = _owned(db, tenant_id, session_id)
+    _refresh_expiry(session, clock, ttl_seconds)
+    if session.status == SessionStatus.ACTIVE:
+        session.last_heartbeat_at = clock.now()
+    return session
+
+
+def require_open(session: Session) -> None:
+    """Refuse work on an ended session (410: the client must start a new one)."""
+    if session.status != SessionStatus.ACTIVE:
+        raise SessionExpired(_ended_message(session))
 
 
 def require_active(
@@ -197,7 +201,7 @@ def require_active(
 
 
 def finish(
-    database: Database,
+    db: OrmSession,
     clock: Clock,
     *,
     tenant_id: str,
@@ -207,21 +211,19 @@ def finish(
     ttl_seconds: float,
 ) -> Session:
     """End a session. Finishing an ended session is a no-op that keeps the first reason."""
-    with database.transaction() as db:
-        session = _owned(db, tenant_id, session_id)
-        _refresh_expiry(session, clock, ttl_seconds)
-        if session.status == SessionStatus.ACTIVE:
-            session.status = SessionStatus.FINISHED
-            session.ended_at = clock.now()
-            session.end_reason = reason
-            session.end_detail = detail
-        return session
+    session = _owned(db, tenant_id, session_id)
+    _refresh_expiry(session, clock, ttl_seconds)
+    if session.status == SessionStatus.ACTIVE:
+        session.status = SessionStatus.FINISHED
+        session.ended_at = clock.now()
+        session.end_reason = reason
+        session.end_detail = detail
+    return session
 
 
-def expire_idle(database: Database, clock: Clock, ttl_seconds: float) -> list[str]:
+def expire_idle(db: OrmSession, clock: Clock, ttl_seconds: float) -> list[str]:
     """Expire every session silent past the TTL; returns their ids for the caller to clean up."""
-    with database.transaction() as db:
-        return _expire_stale(db, clock, ttl_seconds, tenant_id=None)
+    return _expire_stale(db, clock, ttl_seconds, tenant_id=None)
 
 
 def get_session(

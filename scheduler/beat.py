@@ -57,7 +57,8 @@ def tick(database: Database, settings: Settings, clock: Clock) -> None:
     from scheduler.celery_app import make_celery
     from scheduler.dispatch import wake_worker
 
-    expired = sessions.expire_idle(database, clock, settings.session_ttl_seconds)
+    with database.transaction() as db:
+        expired = sessions.expire_idle(db, clock, settings.session_ttl_seconds)
     if expired:
         log.info("expired %d idle sessions", len(expired))
     reap_dead_workers(database, clock)

@@ -94,9 +94,10 @@ class Rows:
             return tenant.id
 
     def session(self, tenant_id: str) -> str:
-        return sessions.create_session(
-            self.database, self.clock, tenant_id=tenant_id, api_key_id=None, ttl_seconds=3600
-        ).id
+        with self.database.transaction() as db:
+            return sessions.create_session(
+                db, self.clock, tenant_id=tenant_id, api_key_id=None, ttl_seconds=3600
+            ).id
 
     def run(
         self,

@@ -34,18 +34,19 @@ router = APIRouter(prefix="/api/v1", tags=["sessions"])
 def create_session(
     body: CreateSessionRequest, principal: CurrentPrincipal, state: State
 ) -> CreateSessionResponse:
-    session = sessions.create_session(
-        state.database,
-        state.clock,
-        tenant_id=principal.tenant_id,
-        api_key_id=principal.key_id,
-        ttl_seconds=state.settings.session_ttl_seconds,
-        tags=body.tags,
-        user_metadata=body.user_metadata,
-        sdk_version=body.sdk_version,
-        project_id=body.project_id,
-        display_name=body.display_name,
-    )
+    with state.database.transaction() as db:
+        session = sessions.create_session(
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            api_key_id=principal.key_id,
+            ttl_seconds=state.settings.session_ttl_seconds,
+            tags=body.tags,
+            user_metadata=body.user_metadata,
+            sdk_version=body.sdk_version,
+            project_id=body.project_id,
+            display_name=body.display_name,
+        )
     return CreateSessionResponse(session_id=session.id)
 
 
@@ -57,13 +58,15 @@ def create_session(
 def session_heartbeat(
     body: SessionHeartbeatRequest, principal: CurrentPrincipal, state: State
 ) -> SessionHeartbeatResponse:
-    sessions.heartbeat(
-        state.database,
-        state.clock,
-        tenant_id=principal.tenant_id,
-        session_id=body.session_id,
-        ttl_seconds=state.settings.session_ttl_seconds,
-    )
+    with state.database.transaction() as db:
+        session = sessions.heartbeat(
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            session_id=body.session_id,
+            ttl_seconds=state.settings.session_ttl_seconds,
+        )
+    sessions.require_open(session)  # once committed: an expiry found here is kept
     return SessionHeartbeatResponse()
 
 
@@ -75,16 +78,17 @@ def session_heartbeat(
 def finish_session(
     session_id: str, body: FinishSessionRequest, principal: CurrentPrincipal, state: State
 ) -> FinishSessionResponse:
-    session = sessions.finish(
-        state.database,
-        state.clock,
-        tenant_id=principal.tenant_id,
-        session_id=session_id,
-        reason=body.reason.type,
-        detail=body.detail,
-        ttl_seconds=state.settings.session_ttl_seconds,
-    )
-    return FinishSessionResponse(session_id=session.id, status=session.status)
+    with state.database.transaction() as db:
+        session = sessions.finish(
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            session_id=session_id,
+            reason=body.reason.type,
+            detail=body.detail,
+            ttl_seconds=state.settings.session_ttl_seconds,
+        )
+        return FinishSessionResponse(session_id=session.id, status=session.status)
 
 
 @router.get(

@@ -40,9 +40,10 @@ def served(tmp_path: Path, database_url: str) -> Iterator[tuple[TestClient, Tena
     with TestClient(app, base_url="http://api.example.com") as client:
         state = app.state.treadle
         tenant = tenant_factory(state.database, settings, clock)()
-        session = sessions.create_session(
-            state.database, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6
-        )
+        with state.database.transaction() as db:
+            session = sessions.create_session(
+                db, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6
+            )
         with state.database.transaction() as db:
             run, _ = runs.create_training_run(
                 db,

@@ -103,9 +103,10 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         with TestClient(app) as client:
             state = app.state.treadle
             tenant = tenant_factory(state.database, settings, clock)()
-            session = sessions.create_session(
-                state.database, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6
-            )
+            with state.database.transaction() as db:
+                session = sessions.create_session(
+                    db, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6
+                )
             seqs = iter(range(1_000))
 
             def new_run() -> str:

@@ -63,9 +63,10 @@ def served(tmp_path: Path, database_url: str) -> Iterator[tuple[TestClient, Tena
     with TestClient(app) as client:
         database = app.state.treadle.database
         tenant = tenant_factory(database, settings, clock)()
-        session = sessions.create_session(
-            database, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6
-        )
+        with database.transaction() as db:
+            session = sessions.create_session(
+                db, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6
+            )
         yield client, tenant, session.id
 
 

@@ -54,14 +54,10 @@ class Env:
         ttl_seconds: int | None = None,
     ) -> str:
         """A run of `tenant` with a checkpoint per (kind, name); returns the run id."""
-        session = sessions.create_session(
-            self.state.database,
-            self.clock,
-            tenant_id=tenant.tenant_id,
-            api_key_id=None,
-            ttl_seconds=3600,
-        )
         with self.state.database.transaction() as db:
+            session = sessions.create_session(
+                db, self.clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=3600
+            )
             run, _ = runs.create_training_run(
                 db,
                 self.clock,

@@ -105,9 +105,11 @@ def test_expiry_sweep_marks_silent_sessions(
     key = make_tenant().key
     session_id = _create(client, key)
     database = client.app.state.treadle.database  # type: ignore[attr-defined]
-    assert expire_idle(database, clock, TTL) == []
+    with database.transaction() as db:
+        assert expire_idle(db, clock, TTL) == []
     clock.advance(TTL + 5)
-    assert expire_idle(database, clock, TTL) == [session_id]
+    with database.transaction() as db:
+        assert expire_idle(db, clock, TTL) == [session_id]
     assert _heartbeat(client, key, session_id) == 410
 
 
