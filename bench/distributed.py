@@ -93,7 +93,7 @@ def main() -> None:
     from core.settings import Settings
     from tests import services
     from tests.cluster import SECRET, cluster
-    from tests.conftest import tenant_factory
+    from tests.builders import tenant_factory
     from tests.services import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
