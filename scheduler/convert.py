@@ -25,7 +25,7 @@ from treadle.types import (
     SampleRequest,
     SampleResponse,
 )
-from treadle.wire import encode_sample_response
+from treadle.wire import encode_sample_response, output_field_names, record_runs
 
 # A CSR tensor may describe far more entries than it sends; densified, every request stays
 # within this many entries (a 64 MiB dense float32 body holds 16M).
@@ -187,22 +187,9 @@ def forward_backward_output(result: ep.ForwardBackwardResult) -> bytes:
         {name: _packed(array) for name, array in per_datum.items()}
         for per_datum in result.loss_fn_outputs
     ]
-    names = sorted(outputs[0]) if outputs else []
-    for i, fields in enumerate(outputs):
-        if sorted(fields) != names:
-            raise ValueError(
-                f"loss_fn_outputs[{i}] has fields {sorted(fields)} but loss_fn_outputs[0] has "
-                f"{names}; every datum must report the same fields"
-            )
-    # One record per run of consecutive datums sharing each field's dtype and trailing shape.
-    start = 0
-    while start < len(outputs):
-        layout = _layout(outputs[start])
-        end = start + 1
-        while end < len(outputs) and _layout(outputs[end]) == layout:
-            end += 1
+    names = output_field_names(outputs)
+    for start, end in record_runs(outputs, _layout):
         _add_record(msg, outputs[start:end], names)
-        start = end
     return msg.SerializeToString()
 
 

@@ -21,7 +21,9 @@ from treadle.wire.forward_backward import (
     decode_forward_backward_request,
     encode_forward_backward_output,
     encode_forward_backward_request,
+    output_field_names,
     parse_forward_backward_request,
+    record_runs,
 )
 from treadle.wire.sample import decode_sample_response, encode_sample_response
 
@@ -37,5 +39,7 @@ __all__ = [
     "encode_forward_backward_output",
     "encode_forward_backward_request",
     "encode_sample_response",
+    "output_field_names",
     "parse_forward_backward_request",
+    "record_runs",
 ]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import zstandard
 from google.protobuf.message import DecodeError
@@ -48,6 +49,8 @@ from treadle.wire._codec import (
     unpack,
     unpack_values,
 )
+
+T = TypeVar("T")
 
 _SEND_PROTOBUF = (
     "send a serialized ForwardBackwardRequest protobuf (tinker_public / treadle.wire.v1 "
@@ -264,6 +267,18 @@ def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
     msg = pb.ForwardBackwardOutput(loss_fn_output_type=output.loss_fn_output_type)
     msg.metrics.update(output.metrics)
     outputs = output.loss_fn_outputs
+    names = output_field_names(outputs)
+    for start, end in record_runs(outputs, _layout):
+        _add_record(msg, output.loss_fn_output_type, outputs[start:end], names)
+    return msg.SerializeToString()
+
+
+def output_field_names(outputs: Sequence[Mapping[str, object]]) -> list[str]:
+    """The fields every datum's output reports (the same for all of them).
+
+    Raises:
+        ValueError: datums disagree on their output field names.
+    """
     names = sorted(outputs[0]) if outputs else []
     for i, fields in enumerate(outputs):
         if sorted(fields) != names:
@@ -271,16 +286,20 @@ def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
                 f"loss_fn_outputs[{i}] has fields {sorted(fields)} but loss_fn_outputs[0] has "
                 f"{names}; every datum must report the same fields"
             )
-    # One record per run of consecutive datums sharing each field's dtype and trailing shape.
+    return names
+
+
+def record_runs(outputs: Sequence[T], layout: Callable[[T], object]) -> Iterator[tuple[int, int]]:
+    """`(start, end)` of each run of consecutive datums sharing each field's dtype and trailing
+    shape (`layout`): each run travels as one record."""
     start = 0
     while start < len(outputs):
-        layout = _layout(outputs[start])
+        first = layout(outputs[start])
         end = start + 1
-        while end < len(outputs) and _layout(outputs[end]) == layout:
+        while end < len(outputs) and layout(outputs[end]) == first:
             end += 1
-        _add_record(msg, output.loss_fn_output_type, outputs[start:end], names)
+        yield start, end
         start = end
-    return msg.SerializeToString()
 
 
 def _layout(fields: dict[str, TensorData]) -> list[tuple[str, TensorDtype, list[int]]]:
