@@ -92,8 +92,8 @@ def main() -> None:
     from core.db import Database
     from core.settings import Settings
     from tests import services
-    from tests.cluster import SECRET, cluster
     from tests.builders import tenant_factory
+    from tests.cluster import SECRET, cluster
     from tests.services import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
