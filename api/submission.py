@@ -77,9 +77,9 @@ def open_run(
     user_metadata: dict[str, Any] | None,
     kind: OpKind,
     payload: dict[str, Any],
-) -> tuple[TrainingRun, Submitted]:
+) -> tuple[str, Submitted]:
     """Create a training run and submit the op that brings it to life (create_model, or a load),
-    as the run's seq 0. A retried creation answers with the same run and request, even when the
+    as the run's seq 0; returns the run's id and the submitted op (the shape of a `Work`). A retried creation answers with the same run and request, even when the
     tenant's limits would refuse a new run now."""
     require_session(db, state, principal, session_id)
     check_rank(db, principal, runs.lora_rank(lora_config))
@@ -115,7 +115,7 @@ def open_run(
         payload=data,
         payload_codec=codec,
     )
-    return run, submitted
+    return run.id, submitted
 
 
 Work = Callable[[OrmSession], tuple[str, Submitted]]

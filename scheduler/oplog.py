@@ -3,7 +3,7 @@
     queued ──claim──▶ running ──finish──▶ done
       ▲  │                │   └───fail───▶ failed
       │  │                │
-      │  └──fail_queued───┼──────────────▶ failed   (a late arrival; given up after
+      │  └───fail_now─────┼──────────────▶ failed   (a late arrival; given up after
       └────requeue────────┘                          too many interrupted attempts)
 
 `queue` inserts an op; the other functions move it along. Each takes the caller's session: the
@@ -43,8 +43,9 @@ def queue(db: OrmSession, op: Operation) -> None:
         db.add(op)
 
 
-def fail_queued(op: Operation, failure: OpFailure, now: datetime) -> None:
-    """Fail an op that will never run (it arrived after its gap was given up)."""
+def fail_now(op: Operation, failure: OpFailure, now: datetime) -> None:
+    """Mark `op` failed with `failure`: one that ran, one that will never run (it arrived after
+    its gap was given up), or one given up after too many attempts."""
     op.status, op.finished_at = OpStatus.FAILED, now
     failures.record(op, failure)
 
@@ -204,8 +205,7 @@ def fail(db: OrmSession, op_id: str, now: datetime, failure: OpFailure) -> Opera
     """Record a running op's failure; None when it is not running (already recorded)."""
     op = _running(db, op_id)
     if op is not None:
-        op.status, op.finished_at = OpStatus.FAILED, now
-        failures.record(op, failure)
+        fail_now(op, failure, now)
     return op
 
 
@@ -219,14 +219,14 @@ def give_up(db: OrmSession, op: Operation, now: datetime) -> None:
         op.target_id,
         op.attempts,
     )
-    op.status, op.finished_at = OpStatus.FAILED, now
-    failures.record(
+    fail_now(
         op,
         OpFailure.server(
             f"{op.kind} was interrupted {op.attempts} times while the server executed it, so it "
             "was given up rather than tried again; check this request's inputs, send the work "
             "again as a new request, and report it to the operator if it recurs"
         ),
+        now,
     )
     advance_run(db, OpKind(op.kind), op.target_id, op.seq_id, now)
 

@@ -42,12 +42,6 @@ class OpKind(enum.StrEnum):
     SAMPLE = "sample"
 
 
-# Training ops run strictly in seq order per run; sampling ops are independent.
-SAMPLING_KINDS = frozenset({OpKind.SAMPLE})
-SAVE_KINDS = frozenset(
-    {OpKind.SAVE_WEIGHTS, OpKind.SAVE_WEIGHTS_FOR_SAMPLER, OpKind.SAVE_WEIGHTS_EXTERNAL}
-)
-
 PROTO, JSON = "proto", "json"
 PROTO_ZSTD, JSON_ZSTD = "proto+zstd", "json+zstd"
 

@@ -170,7 +170,7 @@ def submit_training_op(
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)
         assert op is not None
-        oplog.fail_queued(
+        oplog.fail_now(
             op,
             OpFailure.user(
                 f"seq_id {seq_id} reached the server after later requests of {run.id} had run (it "

@@ -58,7 +58,7 @@ def create_model(
     lora = body.lora_config.model_dump() if body.lora_config else {"rank": runs.DEFAULT_LORA_RANK}
 
     def work(db: OrmSession) -> tuple[str, Submitted]:
-        run, submitted = open_run(
+        return open_run(
             db,
             state,
             principal,
@@ -70,7 +70,6 @@ def create_model(
             kind=OpKind.CREATE_MODEL,
             payload={"base_model": body.base_model, "lora_config": lora},
         )
-        return run.id, submitted
 
     run_id, submitted = in_submission(state, work)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run_id)

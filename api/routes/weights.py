@@ -205,7 +205,7 @@ def load_weights(
             raise InvalidInput(f"{body.path} was trained on {base_model}, not {body.base_model}")
         check_base_model(state, base_model)
         assert body.session_id is not None and body.model_seq_id is not None
-        run, submitted = open_run(
+        return open_run(
             db,
             state,
             principal,
@@ -217,7 +217,6 @@ def load_weights(
             kind=OpKind.LOAD_WEIGHTS,
             payload=_load_payload(version, base_model, body),
         )
-        return run.id, submitted
 
     run_id, submitted = in_submission(state, work)
     return UntypedAPIFuture(request_id=submitted.request_id, model_id=run_id)

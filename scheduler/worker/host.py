@@ -141,7 +141,6 @@ class WorkerHost:
         self.notifier = notifier
         self.worker_id = worker_id
         self.gap_timeout = timedelta(seconds=gap_timeout_seconds)
-        self.max_sample_batch = max_sample_batch
         self.store = store
         self.snapshot_every_steps = snapshot_every_steps
         # Distributed workers run only the runs and samplers placed on them; the embedded one
