@@ -35,6 +35,8 @@ def record_usage(
     base_model: str,
     lines: list[UsageLine],
 ) -> None:
+    now = clock.now()
+    hour = now.replace(minute=0, second=0, microsecond=0)
     rows = []
     for line in lines:
         if line.kind not in USAGE_KINDS:
@@ -50,7 +52,8 @@ def record_usage(
                 "base_model": base_model,
                 "quantity": line.quantity,
                 "cached_quantity": line.cached_quantity,
-                "created_at": clock.now(),
+                "hour": hour,
+                "created_at": now,
             }
         )
     if not rows:

@@ -1,7 +1,5 @@
-"""Billing tables: the append-only usage ledger, hourly rollups and the price book.
-
-Only the ledger (`usage_events`) is used; rollups and prices are not built yet, so nothing
-reads or writes their tables.
+"""Billing tables: the append-only usage ledger, the price book, hourly rollups, per-period
+spend counters and the record of what reached Stripe.
 
 Money is integer micro-units (1e-6 of the currency unit), never floats.
 """
@@ -10,47 +8,64 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from core.tables import Base
 
 USAGE_KINDS = ("training", "sampling_prefill", "sampling_sample", "checkpoint", "storage")
 
+# Rollups key their optional dimensions with "" instead of NULL, so the unique key matches
+# (SQL never treats two NULLs as equal) and an upsert finds the row.
+NO_DIMENSION = ""
+
 
 class UsageEvent(Base):
-    """One kind of usage caused by one operation; the unique key makes re-recording a no-op."""
+    """One kind of usage, priced when it is recorded.
+
+    An operation's events are unique per `(operation_id, kind)`, so a redelivered or replayed
+    op is never counted twice. Storage events have no operation; they are unique per
+    `(tenant_id, hour)`.
+    """
 
     __tablename__ = "usage_events"
-    __table_args__ = (UniqueConstraint("operation_id", "kind"),)
+    __table_args__ = (
+        UniqueConstraint("operation_id", "kind"),
+        Index(
+            "uq_usage_events_storage_hour",
+            "tenant_id",
+            "hour",
+            unique=True,
+            sqlite_where=text("kind = 'storage'"),
+            postgresql_where=text("kind = 'storage'"),
+        ),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"))
-    operation_id: Mapped[str] = mapped_column(ForeignKey("operations.id"))
+    operation_id: Mapped[str | None] = mapped_column(ForeignKey("operations.id"))
     kind: Mapped[str] = mapped_column(String(32))
     base_model: Mapped[str] = mapped_column(String(200))
     quantity: Mapped[int] = mapped_column(BigInteger)
     cached_quantity: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The price version in force when the usage happened (NULL: no price, so no charge).
+    price_id: Mapped[int | None] = mapped_column(ForeignKey("prices.id"))
+    amount_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The UTC hour the usage belongs to: the hour it was recorded in, or the metered hour.
+    hour: Mapped[datetime]
     created_at: Mapped[datetime]
 
 
-class UsageRollup(Base):
-    __tablename__ = "usage_rollups"
-    __table_args__ = (UniqueConstraint("tenant_id", "hour", "base_model", "kind"),)
-
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
-    hour: Mapped[datetime]
-    base_model: Mapped[str] = mapped_column(String(200))
-    kind: Mapped[str] = mapped_column(String(32))
-    quantity: Mapped[int] = mapped_column(BigInteger)
-    amount_micros: Mapped[int] = mapped_column(BigInteger)
-    reported_to_stripe: Mapped[bool] = mapped_column(Boolean, default=False)
-
-
 class Price(Base):
-    """Price per million units of one usage kind on one base model, from a point in time on."""
+    """One version of the price of one usage kind on one base model, in force from
+    `effective_from` until the next version's. Rows are never edited: a change is a new row.
+
+    Units: token kinds per million tokens (`cached_unit_micros` is the rate for cached prefill
+    tokens), `checkpoint` per checkpoint, `storage` per GB-month. `base_model` "*" prices every
+    model that has no version of its own for that kind.
+    """
 
     __tablename__ = "prices"
     __table_args__ = (UniqueConstraint("base_model", "kind", "effective_from"),)
@@ -58,6 +73,68 @@ class Price(Base):
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     base_model: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(32))
-    micros_per_million: Mapped[int] = mapped_column(BigInteger)
+    unit_micros: Mapped[int] = mapped_column(BigInteger)
+    cached_unit_micros: Mapped[int | None] = mapped_column(BigInteger)
     effective_from: Mapped[datetime]
     created_at: Mapped[datetime]
+    created_by: Mapped[str] = mapped_column(String(64))
+
+
+class UsageRollup(Base):
+    """Usage and cost per tenant, API key, session, base model, kind, price version and hour,
+    maintained in the transaction that records each event; recomputable from the ledger."""
+
+    __tablename__ = "usage_rollups"
+    __table_args__ = (
+        UniqueConstraint(
+            "tenant_id", "hour", "api_key_id", "session_id", "base_model", "kind", "price_id"
+        ),
+        Index("ix_usage_rollups_session_id", "session_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    hour: Mapped[datetime]
+    api_key_id: Mapped[str] = mapped_column(String(32))  # NO_DIMENSION when none
+    session_id: Mapped[str] = mapped_column(String(64))  # NO_DIMENSION when none
+    base_model: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
+    price_id: Mapped[int] = mapped_column(BigInteger)  # 0 when unpriced
+    events: Mapped[int] = mapped_column(BigInteger)
+    quantity: Mapped[int] = mapped_column(BigInteger)
+    cached_quantity: Mapped[int] = mapped_column(BigInteger)
+    amount_micros: Mapped[int] = mapped_column(BigInteger)
+
+
+class TenantSpend(Base):
+    """What a tenant has spent in one billing period, kept beside the ledger so the spend
+    limit check at submission is one row read."""
+
+    __tablename__ = "tenant_spend"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    period_start: Mapped[datetime] = mapped_column(primary_key=True)
+    spent_micros: Mapped[int] = mapped_column(BigInteger)
+
+
+class StripeMeterPush(Base):
+    """A meter event Stripe accepted: written only after Stripe's answer, so a crash between
+    the two repeats the push, whose identifier makes Stripe drop the copy.
+
+    One usage kind is one Stripe meter, valued in micro-units of money. A (tenant, kind,
+    hour, price) cell is pushed in parts: part 0 when the hour has settled, a later part only
+    for usage that arrived after that.
+    """
+
+    __tablename__ = "stripe_meter_pushes"
+    __table_args__ = (UniqueConstraint("tenant_id", "kind", "hour", "price_id", "part"),)
+
+    identifier: Mapped[str] = mapped_column(String(200), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    stripe_customer_id: Mapped[str] = mapped_column(String(100))
+    kind: Mapped[str] = mapped_column(String(32))
+    hour: Mapped[datetime]
+    price_id: Mapped[int] = mapped_column(BigInteger)
+    part: Mapped[int] = mapped_column(Integer)
+    value_micros: Mapped[int] = mapped_column(BigInteger)
+    pushed_at: Mapped[datetime]

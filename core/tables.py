@@ -74,14 +74,15 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     max_concurrent_sessions: Mapped[int] = mapped_column(Integer)
     max_lora_rank: Mapped[int] = mapped_column(Integer)
-    # Stored by `treadle-server admin tenants`, not enforced yet (billing is not built).
+    # Spend limits per billing period (a calendar month, UTC) and per session; NULL: none.
     spend_limit_micros: Mapped[int | None] = mapped_column(BigInteger)
+    session_spend_limit_micros: Mapped[int | None] = mapped_column(BigInteger)
     # Resource limits; NULL means the server's default (core.tenants.DEFAULT_LIMITS).
     max_training_runs: Mapped[int | None] = mapped_column(Integer)
     max_lora_parameters: Mapped[int | None] = mapped_column(BigInteger)
     max_queued_ops: Mapped[int | None] = mapped_column(Integer)
     max_sampling_requests: Mapped[int | None] = mapped_column(Integer)
-    stripe_customer_id: Mapped[str | None] = mapped_column(String(100))  # unused: no Stripe yet
+    stripe_customer_id: Mapped[str | None] = mapped_column(String(100))
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime]
 
@@ -206,6 +207,7 @@ class Operation(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the request_id
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id"), index=True)
+    api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))  # who submitted
     target_id: Mapped[str] = mapped_column(String(128))  # training run or sampling session
     seq_id: Mapped[int | None] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(32))
@@ -218,6 +220,8 @@ class Operation(Base):
     error_category: Mapped[str | None] = mapped_column(String(16))  # user | server
     error_code: Mapped[str | None] = mapped_column(String(32))  # an ErrorCode; NULL before 0003
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # The cost estimate held against the spend limits while the op is queued or running.
+    reserved_micros: Mapped[int] = mapped_column(BigInteger, default=0)
     worker_id: Mapped[str | None] = mapped_column(ForeignKey("workers.id"))
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]
@@ -312,7 +316,7 @@ class Worker(Base):
 
 
 class AuditLog(Base):
-    """Who did what to which tenant. Not built yet: nothing reads or writes it."""
+    """Who did what to which tenant."""
 
     __tablename__ = "audit_log"
 
