@@ -1,0 +1,51 @@
+"""Spend per billing period: what a tenant has spent in one calendar month (UTC), kept in
+`tenant_spend` beside the ledger so a spend limit is checked with one row read.
+
+Only the ledger adds to it (`add_spend`, in the transaction that records the priced usage), so
+the counter and the ledger's sum of `amount_micros` over the period never disagree. It knows
+nothing of limits: those read `period_spend`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session as OrmSession
+
+from billing.tables import TenantSpend
+
+
+def period_start(at: datetime) -> datetime:
+    """The start of the billing period holding `at`: midnight UTC on the first of its month."""
+    if at.tzinfo is not None:
+        at = at.astimezone(UTC)
+    return at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def period_spend(db: OrmSession, tenant_id: str, at: datetime) -> int:
+    """What the tenant has spent, in micro-units, in the billing period holding `at`."""
+    spent = db.scalar(
+        select(TenantSpend.spent_micros).where(
+            TenantSpend.tenant_id == tenant_id, TenantSpend.period_start == period_start(at)
+        )
+    )
+    return int(spent or 0)
+
+
+def add_spend(db: OrmSession, tenant_id: str, at: datetime, amount_micros: int) -> None:
+    """Add `amount_micros` to the tenant's spend in the period holding `at` (an upsert, so
+    concurrent recorders add up instead of colliding). Nothing is written for a zero amount."""
+    if amount_micros == 0:
+        return
+    insert = postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
+    statement = insert(TenantSpend).values(
+        tenant_id=tenant_id, period_start=period_start(at), spent_micros=amount_micros
+    )
+    db.execute(
+        statement.on_conflict_do_update(
+            index_elements=[TenantSpend.tenant_id, TenantSpend.period_start],
+            set_={"spent_micros": TenantSpend.spent_micros + statement.excluded.spent_micros},
+        )
+    )
