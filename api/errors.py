@@ -31,6 +31,8 @@ _UNPARSEABLE_BODY = "There was an error parsing the body"
 
 STATUS_BY_ERROR: dict[type[errors.TreadleError], int] = {
     errors.AuthenticationFailed: 401,
+    # The tinker SDK waits out a 402 ("billing pause") instead of failing.
+    errors.SpendLimitReached: 402,
     errors.PermissionDenied: 403,
     errors.QuotaExceeded: 403,
     errors.NotFound: 404,

@@ -22,6 +22,7 @@ __all__ = [
     "QuotaExceeded",
     "RateLimited",
     "SessionExpired",
+    "SpendLimitReached",
     "TreadleError",
 ]
 
@@ -67,6 +68,13 @@ class PermissionDenied(TreadleError):
 
 class QuotaExceeded(TreadleError):
     code = ErrorCode.QUOTA_EXCEEDED
+
+
+class SpendLimitReached(TreadleError):
+    """New priced work is refused: the tenant's spend in the billing period, or the session's,
+    has reached its limit."""
+
+    code = ErrorCode.SPEND_LIMIT_REACHED
 
 
 class SessionExpired(TreadleError):

@@ -41,6 +41,7 @@ from treadle.errors import (
     RequestNotFoundError,
     RequestRejectedError,
     SessionExpiredError,
+    SpendLimitReachedError,
     TreadleError,
     UsageError,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "SamplingParams",
     "ServiceClient",
     "SessionExpiredError",
+    "SpendLimitReachedError",
     "StopReason",
     "TensorData",
     "TensorDtype",

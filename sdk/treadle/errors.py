@@ -10,7 +10,8 @@ without a code (an older server, a proxy) is classed by its HTTP status alone. T
     answer in time, after the retries for transient failures ran out.
   * `APIStatusError` - the server answered with an HTTP error. Subclasses by meaning:
     `BadRequestError` (400/422), `AuthenticationError` (401), `PermissionDeniedError` (403),
-    `QuotaExceededError` (403 with code `quota_exceeded`, or 402), `NotFoundError` (404),
+    `QuotaExceededError` (403 with code `quota_exceeded`; `SpendLimitReachedError`: 402, code
+    `spend_limit_reached`), `NotFoundError` (404),
     `SessionExpiredError` (410, code `session_ended`), `PayloadTooLargeError` (413),
     `RateLimitError` (429), `InternalServerError` (5xx).
   * `RequestFailedError` - an accepted operation failed; `category` is `user` (change the
@@ -97,6 +98,14 @@ class QuotaExceededError(PermissionDeniedError):
     """A tenant quota is exhausted (e.g. the concurrent session limit, or the spend cap).
 
     Finish another session (`ServiceClient.close()`) or ask the operator to raise the limit.
+    """
+
+
+class SpendLimitReachedError(QuotaExceededError):
+    """402: the tenant's spend limit for the billing period, or the session's, is reached.
+
+    Work already accepted still finishes; new priced work is refused until the operator raises
+    the limit (`treadle-server admin tenants set-limit`) or a new billing period starts.
     """
 
 
@@ -243,6 +252,7 @@ CLASS_BY_CODE: dict[ErrorCode, type[APIStatusError]] = {
     ErrorCode.UNAUTHENTICATED: AuthenticationError,
     ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
     ErrorCode.QUOTA_EXCEEDED: QuotaExceededError,
+    ErrorCode.SPEND_LIMIT_REACHED: SpendLimitReachedError,
     ErrorCode.SESSION_ENDED: SessionExpiredError,
     ErrorCode.PAYLOAD_TOO_LARGE: PayloadTooLargeError,
     ErrorCode.RATE_LIMITED: RateLimitError,
@@ -255,7 +265,7 @@ CLASS_BY_CODE: dict[ErrorCode, type[APIStatusError]] = {
 _CLASS_BY_STATUS: dict[int, type[APIStatusError]] = {
     400: BadRequestError,
     401: AuthenticationError,
-    402: QuotaExceededError,
+    402: SpendLimitReachedError,
     403: PermissionDeniedError,
     404: NotFoundError,
     410: SessionExpiredError,

@@ -37,6 +37,7 @@ HTTP_CASES: dict[ErrorCode, tuple[int, str, type[treadle.APIStatusError]]] = {
     ErrorCode.UNAUTHENTICATED: (401, "user", treadle.AuthenticationError),
     ErrorCode.PERMISSION_DENIED: (403, "user", treadle.PermissionDeniedError),
     ErrorCode.QUOTA_EXCEEDED: (403, "user", treadle.QuotaExceededError),
+    ErrorCode.SPEND_LIMIT_REACHED: (402, "user", treadle.SpendLimitReachedError),
     ErrorCode.SESSION_ENDED: (410, "user", treadle.SessionExpiredError),
     ErrorCode.PAYLOAD_TOO_LARGE: (413, "user", treadle.PayloadTooLargeError),
     ErrorCode.RATE_LIMITED: (429, "user", treadle.RateLimitError),
@@ -86,7 +87,7 @@ def test_the_code_decides_over_the_status(status: int, code: str, expected: type
     [
         (400, treadle.BadRequestError),
         (401, treadle.AuthenticationError),
-        (402, treadle.QuotaExceededError),
+        (402, treadle.SpendLimitReachedError),
         (403, treadle.PermissionDeniedError),  # whatever the message says about limits
         (404, treadle.NotFoundError),  # whatever the message says about sessions
         (405, treadle.APIStatusError),
@@ -106,9 +107,9 @@ def test_without_a_code_the_status_alone_decides(status: int, expected: type) ->
 
 
 def test_an_unknown_code_falls_back_on_the_status_and_is_kept() -> None:
-    error = error_from_response(_answer(403, category="user", code="spend_limit_reached"))
+    error = error_from_response(_answer(403, category="user", code="a_later_code"))
     assert type(error) is treadle.PermissionDeniedError
-    assert error.code == "spend_limit_reached"
+    assert error.code == "a_later_code"
 
 
 # A failed operation's future: (category, code) -> the class raised.

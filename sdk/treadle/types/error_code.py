@@ -32,6 +32,9 @@ class ErrorCode(enum.StrEnum):
     expired download link)."""
     QUOTA_EXCEEDED = "quota_exceeded"
     """A limit of the tenant is reached (sessions, training runs, LoRA size, queued work)."""
+    SPEND_LIMIT_REACHED = "spend_limit_reached"
+    """The tenant's spend limit for the billing period, or the session's, is reached (HTTP
+    402); new priced work waits until the operator raises the limit or a new period starts."""
     SESSION_ENDED = "session_ended"
     """The session has finished or expired without heartbeats; start a new one."""
     PAYLOAD_TOO_LARGE = "payload_too_large"
