@@ -26,6 +26,7 @@ from torch import nn
 
 from gpu_worker.lora import parameters_per_rank
 from gpu_worker.protocol import ModelInfo, UserInputError
+from treadle.types.tokenizer_files import TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ class Catalog:
     def _smollm2_folder(self) -> Path:
         """Convert the GGUF once into a plain HF folder in the cache (0.5 s loads after that)."""
         folder = self.cache_dir / "SmolLM2-135M-Instruct"
-        if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
+        if (folder / "config.json").exists() and (folder / TOKENIZER_FILE).exists():
             return folder
         gguf_file = smollm2_gguf_file()
         if gguf_file is None:

@@ -36,6 +36,7 @@ from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor, failed_forward_backwards
 from scheduler.worker.outcome import Outcome
 from scheduler.worker.recovery import RestoreImpossible, restore_run
+from treadle.types.tokenizer_files import TOKENIZER_FILES
 from treadle.wire import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
@@ -94,20 +95,6 @@ def start_host(
 
 # How often the engine looks for runs whose sessions ended, to free their memory.
 EVICT_EVERY_SECONDS = 15.0
-
-TOKENIZER_FILES = frozenset(
-    {
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "vocab.json",
-        "merges.txt",
-        "tokenizer.model",
-        "chat_template.jinja",
-        "chat_template.json",
-    }
-)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,12 +18,10 @@ from typing import Any
 
 from treadle._http import HttpClient
 from treadle.errors import InvalidArgumentError, MissingDependencyError, RequestFailedError
+from treadle.types.tokenizer_files import CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_FILE
 
 _cache: dict[tuple[str, str], Tokenizer] = {}
 _cache_lock = threading.Lock()
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-TEMPLATE_FILE = "chat_template.jinja"
 
 
 def _import_tokenizers() -> Any:
