@@ -84,6 +84,15 @@ class Settings(BaseSettings):
     max_op_attempts: int = Field(default=3, ge=1)
     max_queued_samples: int = 2048
 
+    # Stripe Billing meters (`billing.stripe_push`): pushing is off while no key is set.
+    stripe_api_key: SecretStr | None = None
+    stripe_api_base: str = "https://api.stripe.com"
+    # Meter event names are `<prefix>_<usage kind>`, e.g. `treadle_training`.
+    stripe_meter_prefix: str = "treadle"
+    # An hour is pushed once it has ended and this long has passed, so its usage is in.
+    stripe_settle_seconds: float = Field(default=600.0, ge=0)
+    stripe_push_seconds: float = Field(default=300.0, gt=0)
+
     @property
     def offered_models(self) -> list[str]:
         """Every base-model name a client may ask for: served models and their aliases."""
