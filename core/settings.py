@@ -83,6 +83,8 @@ class Settings(BaseSettings):
     # An op interrupted this many times (failed engine steps, worker crashes) fails for good.
     max_op_attempts: int = Field(default=3, ge=1)
     max_queued_samples: int = 2048
+    # Checkpoint storage is metered per whole hour (`billing.storage`); this often, at most.
+    storage_meter_seconds: float = Field(default=300.0, gt=0)
 
     # Stripe Billing meters (`billing.stripe_push`): pushing is off while no key is set.
     stripe_api_key: SecretStr | None = None
