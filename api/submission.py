@@ -114,6 +114,7 @@ def open_run(
         kind=kind,
         payload=data,
         payload_codec=codec,
+        api_key_id=principal.key_id,
     )
     return run.id, submitted
 
@@ -165,7 +166,14 @@ def submit_to_run(
                 content = refused(exc.message, exc.code)
             data, codec = encode_json_payload(content)
         return run.id, submit_training_op(
-            db, state.clock, run=run, seq_id=seq_id, kind=kind, payload=data, payload_codec=codec
+            db,
+            state.clock,
+            run=run,
+            seq_id=seq_id,
+            kind=kind,
+            payload=data,
+            payload_codec=codec,
+            api_key_id=principal.key_id,
         )
 
     _, submitted = in_submission(state, work)

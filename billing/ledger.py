@@ -1,12 +1,16 @@
-"""The usage ledger: the one write path for `usage_events`.
+"""The usage ledger: the one write path for operations' `usage_events`.
 
-Recording is idempotent per `(operation, kind)`: a retried, redelivered or replayed operation
-can call it again and nothing is counted twice. Callers record in the same transaction that
-stores the operation's result, so a result never exists without its usage or vice versa.
+Each event is priced when it is recorded, at the version in force at its time, and belongs
+to the UTC hour of that time. Recording is idempotent per `(operation, kind)`: a retried,
+redelivered or replayed operation can call it again and nothing is counted twice — only the
+events actually inserted reach the hourly rollups and the period's spend. Callers record in
+the same transaction that stores the operation's result, so a result never exists without its
+usage, rollups and spend, or vice versa.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -14,6 +18,9 @@ from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
+from billing.prices import Rate, cost_micros, rate_in_force
+from billing.rollups import RolledEvent, add_to_rollups
+from billing.spend import add_spend
 from billing.tables import USAGE_KINDS, UsageEvent
 from core.clock import Clock
 
@@ -25,16 +32,26 @@ class UsageLine:
     cached_quantity: int = 0
 
 
+Rates = Callable[[OrmSession, str, str, datetime], Rate | None]
+"""Finds the price version in force for (base model, kind) at a time: `rate_in_force`, or a
+process's `PriceCache`."""
+
+
 def record_usage(
     db: OrmSession,
     clock: Clock,
     *,
     tenant_id: str,
+    api_key_id: str | None,
     session_id: str | None,
     operation_id: str,
     base_model: str,
     lines: list[UsageLine],
-) -> None:
+    rates: Rates = rate_in_force,
+) -> int:
+    """Record an operation's usage, priced at the version in force now, and add what was
+    inserted to the hourly rollups and the tenant's spend this period; returns the amount
+    recorded (0 when everything was recorded before)."""
     now = clock.now()
     hour = now.replace(minute=0, second=0, microsecond=0)
     rows = []
@@ -43,28 +60,62 @@ def record_usage(
             raise ValueError(f"unknown usage kind {line.kind!r}")
         if line.quantity <= 0:
             continue
+        rate = rates(db, base_model, line.kind, now)
         rows.append(
             {
                 "tenant_id": tenant_id,
+                "api_key_id": api_key_id,
                 "session_id": session_id,
                 "operation_id": operation_id,
                 "kind": line.kind,
                 "base_model": base_model,
                 "quantity": line.quantity,
                 "cached_quantity": line.cached_quantity,
+                "price_id": None if rate is None else rate.id,
+                "amount_micros": cost_micros(rate, line.quantity, line.cached_quantity),
                 "hour": hour,
                 "created_at": now,
             }
         )
     if not rows:
-        return
-    dialect = db.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    db.execute(
+        return 0
+    insert = postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
+    # Only what this call inserted goes further: a replay's rows are already counted.
+    inserted = db.execute(
         insert(UsageEvent)
         .values(rows)
         .on_conflict_do_nothing(index_elements=["operation_id", "kind"])
+        .returning(
+            UsageEvent.kind,
+            UsageEvent.quantity,
+            UsageEvent.cached_quantity,
+            UsageEvent.price_id,
+            UsageEvent.amount_micros,
+        )
+    ).all()
+    if not inserted:
+        return 0
+    add_to_rollups(
+        db,
+        (
+            RolledEvent(
+                tenant_id=tenant_id,
+                hour=hour,
+                api_key_id=api_key_id,
+                session_id=session_id,
+                base_model=base_model,
+                kind=kind,
+                price_id=price_id,
+                quantity=quantity,
+                cached_quantity=cached,
+                amount_micros=amount,
+            )
+            for kind, quantity, cached, price_id, amount in inserted
+        ),
     )
+    total = sum(amount for *_, amount in inserted)
+    add_spend(db, tenant_id, now, total)
+    return total
 
 
 def usage_by_model_and_kind(

@@ -4,22 +4,32 @@ and what a quantity of usage costs under it.
 Units (integer micro-units of money): token kinds per million tokens, with a separate rate for
 cached prefill tokens; `checkpoint` per checkpoint; `storage` per GB-month, charged per hour
 held (a month is 730 hours). Amounts round half up to a whole micro-unit per event.
+
+A version takes effect no sooner than `PRICE_DELAY` after it was set, on a whole minute
+(`earliest_effective`), so a process that read the book within `PriceCache.FRESH` of an event's
+time already holds every version that can be in force at it: that is what keeps `PriceCache`
+exact. Writing versions is `billing.pricebook`'s.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.tables import Price
+from core.clock import Clock
 
 ANY_MODEL = "*"
 TOKEN_KINDS = ("training", "sampling_prefill", "sampling_sample")
 HOURS_PER_MONTH = 730
 BYTES_PER_GB = 10**9
+
+PRICE_DELAY = timedelta(seconds=60)
+"""The least time between setting a price version and its taking effect."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,17 @@ class Rate:
     unit_micros: int
     cached_unit_micros: int | None
     effective_from: datetime
+
+    @classmethod
+    def of(cls, row: Price) -> Rate:
+        return cls(
+            id=row.id,
+            base_model=row.base_model,
+            kind=row.kind,
+            unit_micros=row.unit_micros,
+            cached_unit_micros=row.cached_unit_micros,
+            effective_from=row.effective_from,
+        )
 
 
 def _round_div(numerator: int, denominator: int) -> int:
@@ -66,12 +87,53 @@ def rate_in_force(db: OrmSession, base_model: str, kind: str, at: datetime) -> R
             .limit(1)
         ).scalar_one_or_none()
         if row is not None:
-            return Rate(
-                id=row.id,
-                base_model=row.base_model,
-                kind=row.kind,
-                unit_micros=row.unit_micros,
-                cached_unit_micros=row.cached_unit_micros,
-                effective_from=row.effective_from,
-            )
+            return Rate.of(row)
     return None
+
+
+def earliest_effective(now: datetime) -> datetime:
+    """The soonest a version set at `now` may take effect: the first whole minute at least
+    `PRICE_DELAY` later."""
+    soonest = now + PRICE_DELAY
+    minute = soonest.replace(second=0, microsecond=0)
+    return minute if minute == soonest else minute + timedelta(minutes=1)
+
+
+class PriceCache:
+    """`rate_in_force` from a copy of the whole price book, read again once it is `FRESH` old.
+
+    A copy read at time L answers exactly for any time up to L + FRESH: a version missing from
+    it was set after L less the commit's lag, so (see `earliest_effective`) it takes effect after
+    L + PRICE_DELAY - lag, which is later while the lag (commit time and clock skew between
+    processes) stays under PRICE_DELAY - FRESH. Later times read the book again. One per process
+    (or per worker host); thread-safe.
+    """
+
+    FRESH = timedelta(seconds=30)
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._read_at: datetime | None = None
+        # (base_model, kind) -> its versions, latest effective first.
+        self._versions: dict[tuple[str, str], list[Rate]] = {}
+
+    def __call__(self, db: OrmSession, base_model: str, kind: str, at: datetime) -> Rate | None:
+        versions = self._book(db, at)
+        for model in (base_model, ANY_MODEL):
+            for rate in versions.get((model, kind), ()):
+                if rate.effective_from <= at:
+                    return rate
+        return None
+
+    def _book(self, db: OrmSession, at: datetime) -> dict[tuple[str, str], list[Rate]]:
+        with self._lock:
+            if self._read_at is not None and at <= self._read_at + self.FRESH:
+                return self._versions
+        read_at = self._clock.now()  # before the read: a version set meanwhile is newer
+        versions: dict[tuple[str, str], list[Rate]] = {}
+        for row in db.scalars(select(Price).order_by(Price.effective_from.desc())):
+            versions.setdefault((row.base_model, row.kind), []).append(Rate.of(row))
+        with self._lock:
+            self._read_at, self._versions = read_at, versions
+        return versions

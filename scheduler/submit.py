@@ -48,9 +48,11 @@ def submit(
     payload: bytes,
     payload_codec: str,
     next_in_order: bool = False,
+    api_key_id: str | None = None,
 ) -> Submitted:
     """Queue an op, or answer a resubmission with the original. `next_in_order` marks the op
-    its training run waits for next (see `_admit`)."""
+    its training run waits for next (see `_admit`); `api_key_id` is the submitting key, whose
+    usage the op's is counted as."""
     if seq_id is not None:
         existing = _existing(db, tenant_id, target_id, seq_id, kind)
         if existing is not None:
@@ -65,6 +67,7 @@ def submit(
         kind=kind.value,
         payload=payload,
         payload_codec=payload_codec,
+        api_key_id=api_key_id,
         created_at=clock.now(),
     )
     try:
@@ -146,6 +149,7 @@ def submit_training_op(
     kind: OpKind,
     payload: bytes,
     payload_codec: str,
+    api_key_id: str | None = None,
 ) -> Submitted:
     """Submit an op on a training run, in the run's seq order.
 
@@ -166,6 +170,7 @@ def submit_training_op(
         payload=payload,
         payload_codec=payload_codec,
         next_in_order=seq_id == run.executed_seq_id + 1,
+        api_key_id=api_key_id,
     )
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)

@@ -129,6 +129,7 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
             kind=OpKind.SAMPLE,
             payload=payload,
             payload_codec=codec,
+            api_key_id=principal.key_id,
         )
         return sampler.id, submitted
 

@@ -28,6 +28,8 @@ class Task:
     payload: bytes
     payload_codec: str
     base_model: str
+    api_key_id: str | None = None
+    """The API key that submitted the op (None for ops submitted before keys were recorded)."""
     sampler_version_id: str | None = None
     failed_gradients: tuple[FailedForwardBackward, ...] | None = None
     """Of an optim_step: the failed forward_backward ops in its window, when looked up as it
@@ -51,6 +53,7 @@ class Task:
             payload=op.payload,
             payload_codec=op.payload_codec,
             base_model=base_model,
+            api_key_id=op.api_key_id,
             sampler_version_id=sampler_version_id,
             failed_gradients=failed_gradients,
         )

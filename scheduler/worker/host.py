@@ -18,6 +18,7 @@ from datetime import timedelta
 from sqlalchemy import select
 
 from billing.ledger import record_usage
+from billing.prices import PriceCache
 from core import checkpoints, runs
 from core.clock import Clock
 from core.db import Database
@@ -139,6 +140,7 @@ class WorkerHost:
         self._gaps_checked_at = 0.0
         self._evicted_at = time.monotonic()
         self._unrecorded: dict[str, Task] = {}  # claimed by the current step, not yet recorded
+        self.prices = PriceCache(clock)
         self.executor = Executor(
             engine, store, database, clock, max_request_bytes=max_request_bytes
         )
@@ -422,10 +424,12 @@ class WorkerHost:
                     db,
                     self.clock,
                     tenant_id=task.tenant_id,
+                    api_key_id=task.api_key_id,
                     session_id=task.session_id,
                     operation_id=task.id,
                     base_model=task.base_model,
                     lines=outcome.usage,
+                    rates=self.prices,
                 )
             run = oplog.advance_run(db, task.kind, task.target_id, task.seq_id, now)
             stepped = task.kind is OpKind.OPTIM_STEP and outcome.error is None

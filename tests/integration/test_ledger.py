@@ -24,6 +24,7 @@ def _record(rows: Rows, tenant_id: str, operation_id: str, lines: list[UsageLine
             db,
             rows.clock,
             tenant_id=tenant_id,
+            api_key_id=None,
             session_id=None,
             operation_id=operation_id,
             base_model=MODEL,
