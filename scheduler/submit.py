@@ -14,11 +14,14 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
+from billing import limits as spend_limits
+from billing.estimate import Estimate
+from billing.ledger import UsageLine
 from core import runs
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound, RateLimited
 from core.ids import new_request_id
-from core.tables import Operation, TrainingRun
+from core.tables import Operation, Tenant, TrainingRun
 from core.tenants import lock_tenant, resource_limits
 from scheduler import oplog
 from scheduler.failures import OpFailure
@@ -49,15 +52,28 @@ def submit(
     payload_codec: str,
     next_in_order: bool = False,
     api_key_id: str | None = None,
+    estimate: Estimate | None = None,
 ) -> Submitted:
     """Queue an op, or answer a resubmission with the original. `next_in_order` marks the op
     its training run waits for next (see `_admit`); `api_key_id` is the submitting key, whose
-    usage the op's is counted as."""
+    usage the op's is counted as. `estimate` is what the op will use, given when its tenant
+    has a spend limit: it is held against the limits (`billing.limits`)."""
     if seq_id is not None:
         existing = _existing(db, tenant_id, target_id, seq_id, kind)
         if existing is not None:
             return Submitted(existing.id, duplicate=True)
-    _admit(db, tenant_id, kind, next_in_order)
+    locked = _admit(db, tenant_id, kind, next_in_order)
+    reserved = 0
+    if estimate is not None:
+        reserved = spend_limits.reserve(
+            db,
+            clock,
+            locked or lock_tenant(db, tenant_id),
+            session_id=session_id,
+            target_id=target_id,
+            run_seq_id=None if kind is OpKind.SAMPLE else seq_id,
+            estimate=estimate,
+        )
     op = Operation(
         id=new_request_id(),
         tenant_id=tenant_id,
@@ -68,6 +84,7 @@ def submit(
         payload=payload,
         payload_codec=payload_codec,
         api_key_id=api_key_id,
+        reserved_micros=reserved,
         created_at=clock.now(),
     )
     try:
@@ -81,7 +98,7 @@ def submit(
     return Submitted(op.id, duplicate=False)
 
 
-def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) -> None:
+def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) -> Tenant | None:
     """Refuse a new op beyond the tenant's queue limits (429: the queue drains by itself, and
     the SDKs resubmit the same request, which keeps its seq_id). The tenant stays locked until
     the transaction ends, so concurrent submissions never overshoot a limit.
@@ -90,9 +107,11 @@ def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) ->
     waits for next may be what the run's queued ops (arrived out of order) wait for: refusing
     it could only stall them until their gap is given up. At most one such op per live run is
     ever beyond the limit.
+
+    Returns the tenant's locked row, or None when the op was admitted without a look.
     """
     if kind is OpKind.UNLOAD_MODEL or next_in_order:
-        return
+        return None
     tenant = lock_tenant(db, tenant_id)
     limits = resource_limits(tenant)
     in_flight = (
@@ -120,6 +139,7 @@ def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) ->
                 "max_sampling_requests",
                 retry_after_seconds=RETRY_AFTER_SECONDS,
             )
+    return tenant
 
 
 def _existing(
@@ -150,8 +170,10 @@ def submit_training_op(
     payload: bytes,
     payload_codec: str,
     api_key_id: str | None = None,
+    usage: tuple[UsageLine, ...] | None = None,
 ) -> Submitted:
-    """Submit an op on a training run, in the run's seq order.
+    """Submit an op on a training run, in the run's seq order. `usage` is what the op will
+    use, given when its tenant has a spend limit.
 
     A seq_id at or below what the run already executed can only be a resubmission (answered
     with the original request) or a request that arrived after its gap was released, which is
@@ -171,6 +193,7 @@ def submit_training_op(
         payload_codec=payload_codec,
         next_in_order=seq_id == run.executed_seq_id + 1,
         api_key_id=api_key_id,
+        estimate=Estimate(run.base_model, usage) if usage else None,
     )
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)
