@@ -207,7 +207,9 @@ def bench_sampling(engine: Engine, model: str, max_tokens: int, repeats: int) ->
         for i in range(16)
     ]
     batched_s, b_other = timed(lambda: engine.sample_batch(requests), repeats)
-    alone_s, a_other = timed(lambda: [engine.sample(r) for r in requests], max(1, repeats // 2))
+    alone_s, a_other = timed(
+        lambda: [engine.sample_batch([r]) for r in requests], max(1, repeats // 2)
+    )
     for rid in ids:
         engine.remove_run(rid)
     tokens = 16 * max_tokens

@@ -1,9 +1,11 @@
 """The engine: base models held once, many runs' LoRA adapters and AdamW states beside them.
 
-One method per Tinker op. Ops on a run are expected in the caller's order (the scheduler
-enforces seq order); gradients accumulate across forward_backward calls until optim_step.
-`forward_backward_batch` executes several runs' ops as one multi-LoRA pass, each op failing
-or succeeding on its own. Every op validates its input before touching state, so an op that
+One method per kind of op, shaped as the worker host sends them: forward and forward_backward
+ops go through `forward_backward_batch`, samples and prompt logprobs through `sample_batch`
+(`forward_backward` runs one op alone, as recovery replays it). Ops on a run are expected in
+the caller's order (the scheduler enforces seq order); gradients accumulate across
+forward_backward calls until optim_step. `forward_backward_batch` executes several runs' ops
+as one multi-LoRA pass, each op failing or succeeding on its own. Every op validates its input before touching state, so an op that
 raises `UserInputError` leaves the run exactly as it was.
 
 Calls are serialised by a lock: the LoRA row assignment lives on the model while a pass runs.
@@ -124,9 +126,6 @@ class Engine:
 
     # --- catalog ------------------------------------------------------------------------
 
-    def list_models(self) -> list[ModelInfo]:
-        return [self.catalog.info(name) for name in self.catalog.names()]
-
     def tokenizer_dir(self, base_model: str) -> Path:
         """Folder with the model's tokenizer files (tokenizer.json, tokenizer_config.json, …)."""
         return self.catalog.tokenizer_dir(base_model)
@@ -206,16 +205,6 @@ class Engine:
         return total
 
     # --- training -----------------------------------------------------------------------
-
-    def forward(
-        self,
-        run_id: str,
-        data: list[Datum],
-        loss_fn: str = "cross_entropy",
-        loss_fn_config: dict[str, float] | None = None,
-    ) -> ForwardBackwardResult:
-        op = ForwardBackwardOp(run_id, data, loss_fn, loss_fn_config, forward_only=True)
-        return self._single(op)
 
     def forward_backward(
         self,
@@ -337,12 +326,6 @@ class Engine:
 
     # --- sampling -----------------------------------------------------------------------
 
-    def sample(self, request: SampleRequest) -> SampleResult:
-        result = self.sample_batch([request])[0]
-        if isinstance(result, OpError):
-            raise (UserInputError if result.category == "user" else RuntimeError)(result.message)
-        return result
-
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult | OpError]:
         """Sample all requests together (one decode loop per base model)."""
         with self._lock:
@@ -400,33 +383,6 @@ class Engine:
         sampled = sum(len(s.tokens) for s in job.sequences)
         usage = Usage(prefill_tokens=len(job.prompt), sampled_tokens=sampled)
         return SampleResult(job.sequences, lp if req.prompt_logprobs else None, top, usage)
-
-    def compute_logprobs(
-        self, run_id: str | None, tokens: list[int], *, base_model: str | None = None, topk: int = 0
-    ) -> SampleResult:
-        """Prompt logprobs of `tokens` (NaN at position 0) and optional top-k per position."""
-        with self._lock:
-            m, adapter = self._sampler(run_id, base_model)
-            prompt = check_tokens(tokens, m.info.vocab_size, m.info.max_context_length, "prompt")
-            lp, top = sampling.prompt_scores(
-                m.model, m.ctx, adapter, prompt.tolist(), topk, self.device, self.autocast_dtype
-            )
-            return SampleResult([], lp, top, Usage(prefill_tokens=int(prompt.size)))
-
-    def logits(
-        self, run_id: str | None, tokens: list[int], *, base_model: str | None = None
-    ) -> np.ndarray:
-        """Raw next-token logits (T, V) for one sequence, for checks and debugging."""
-        with self._lock, torch.no_grad():
-            m, adapter = self._sampler(run_id, base_model)
-            prompt = check_tokens(tokens, m.info.vocab_size, m.info.max_context_length, "tokens")
-            ids = torch.from_numpy(prompt)[None].to(self.device)
-            with (
-                sampling.autocast_for(self.device, self.autocast_dtype),
-                sampling.lora_groups(m.ctx, [sampling.RowGroup(0, 1, adapter)]),
-            ):
-                out = m.model(input_ids=ids).logits[0]
-            return out.float().cpu().numpy()
 
     def _sampler(
         self, run_id: str | None, base_model: str | None

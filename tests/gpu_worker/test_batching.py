@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
 
 from gpu_worker.protocol import Datum, ForwardBackwardOp, LoraSpec, OpError
-from tests.gpu_worker.helpers import TINY, adapter_grads, randomize_adapter, rng_tokens
+from tests.gpu_worker.helpers import TINY, adapter_grads, rng_tokens, training_run
 
 pytestmark = pytest.mark.unit
 
@@ -40,16 +43,21 @@ def rl_data(seed: int, lengths: tuple[int, ...]) -> list[Datum]:
     ]
 
 
-def make_runs(engine, prefix: str) -> list[str]:
-    ids = []
-    for i, rank in enumerate(RANKS):
-        rid = f"{prefix}-{rank}"
-        engine.create_run(
-            rid, TINY, LoraSpec(rank=rank, seed=i, train_unembed=i % 2 == 0, train_mlp=i != 3)
-        )
-        randomize_adapter(engine, rid, seed=100 + i)
-        ids.append(rid)
-    return ids
+@contextlib.contextmanager
+def make_runs(engine, prefix: str) -> Iterator[list[str]]:
+    """One run of each rank for the duration of the block."""
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                training_run(
+                    engine,
+                    f"{prefix}-{rank}",
+                    LoraSpec(rank=rank, seed=i, train_unembed=i % 2 == 0, train_mlp=i != 3),
+                    randomize_seed=100 + i,
+                )
+            )
+            for i, rank in enumerate(RANKS)
+        ]
 
 
 def make_ops(ids: list[str]) -> list[ForwardBackwardOp]:
@@ -63,8 +71,7 @@ def make_ops(ids: list[str]) -> list[ForwardBackwardOp]:
 
 
 def test_mixed_ranks_batched_equal_alone(engine):
-    alone_ids, batch_ids = make_runs(engine, "alone"), make_runs(engine, "batch")
-    try:
+    with make_runs(engine, "alone") as alone_ids, make_runs(engine, "batch") as batch_ids:
         alone = [
             engine.forward_backward(op.run_id, op.data, op.loss_fn) for op in make_ops(alone_ids)
         ]
@@ -79,14 +86,10 @@ def test_mixed_ranks_batched_equal_alone(engine):
             scale = max(float(g.abs().max()) for g in ga.values())
             for key in ga:
                 torch.testing.assert_close(gb[key], ga[key], atol=1e-5 * max(scale, 1.0), rtol=1e-3)
-    finally:
-        for rid in alone_ids + batch_ids:
-            engine.remove_run(rid)
 
 
 def test_bad_datum_in_one_run_does_not_fail_the_others(engine):
-    ids = make_runs(engine, "bad")
-    try:
+    with make_runs(engine, "bad") as ids:
         ops = make_ops(ids)
         bad = ops[1].data[0]
         bad.loss_fn_inputs["advantages"] = bad.loss_fn_inputs["advantages"][:-1]
@@ -97,28 +100,21 @@ def test_bad_datum_in_one_run_does_not_fail_the_others(engine):
         for i in (0, 2, 3):
             assert not isinstance(results[i], OpError)
         assert all(p.grad is None for p in engine.adapter(ids[1]).parameters())
-    finally:
-        for rid in ids:
-            engine.remove_run(rid)
 
 
 def test_memory_is_base_plus_adapters(engine):
     base = engine.base_module(TINY)
     base_ptrs = {p.data_ptr() for p in base.parameters()}
-    engine.create_run("mem", TINY, LoraSpec(rank=8))
-    try:
+    with training_run(engine, "mem", LoraSpec(rank=8)):
         adapter = engine.adapter("mem")
         assert not base_ptrs & {p.data_ptr() for p in adapter.parameters()}
         assert {p.data_ptr() for p in base.parameters()} == base_ptrs  # no base copy
         assert engine.run_memory_bytes("mem") == adapter.num_bytes()
-    finally:
-        engine.remove_run("mem")
 
 
 def test_a_failing_batched_pass_is_retried_op_by_op(engine, monkeypatch):
     import gpu_worker.engine as engine_module
 
-    ids = make_runs(engine, "retry")
     real = engine_module.run_ops
 
     def flaky(model, ctx, ops, **kw):
@@ -129,11 +125,8 @@ def test_a_failing_batched_pass_is_retried_op_by_op(engine, monkeypatch):
         return real(model, ctx, ops, **kw)
 
     monkeypatch.setattr(engine_module, "run_ops", flaky)
-    try:
+    with make_runs(engine, "retry") as ids:
         results = engine.forward_backward_batch(make_ops(ids))
         assert isinstance(results[2], OpError) and results[2].category == "server"
         assert all(not isinstance(results[i], OpError) for i in (0, 1, 3))
         assert all(p.grad is None for p in engine.adapter(ids[2]).parameters())
-    finally:
-        for rid in ids:
-            engine.remove_run(rid)

@@ -12,7 +12,7 @@ import torch
 from gpu_worker.catalog import SMOLLM2_NAME, Catalog, count_parameters, smollm2_gguf_file
 from gpu_worker.engine import Engine, EngineSettings
 from gpu_worker.protocol import LoraSpec, SampleRequest, SamplingParams, UserInputError
-from tests.gpu_worker.helpers import TINY
+from tests.gpu_worker.helpers import TINY, sample, training_run
 
 
 @pytest.mark.unit
@@ -46,8 +46,8 @@ def test_tokenizer_ships_with_chat_template():
 
 
 @pytest.mark.unit
-def test_list_models_and_aliases(engine):
-    infos = {m.name: m for m in engine.list_models()}
+def test_catalog_models_and_aliases(engine):
+    infos = {name: engine.catalog.info(name) for name in engine.catalog.names()}
     assert {"treadle/tiny-1m", "treadle/tiny-10m", "treadle/tiny-50m"} <= set(infos)
     tiny = infos[TINY]
     assert tiny.max_context_length == 2048 and tiny.vocab_size == 1024
@@ -59,11 +59,8 @@ def test_list_models_and_aliases(engine):
 
 @pytest.mark.unit
 def test_hf_folder_entry_serves_an_exported_model(engine, tmp_path):
-    engine.create_run("to-folder", TINY, LoraSpec(rank=2))
-    try:
+    with training_run(engine, "to-folder", LoraSpec(rank=2)):
         engine.export_merged("to-folder", tmp_path / "m")
-    finally:
-        engine.remove_run("to-folder")
     other = Engine(
         EngineSettings(
             device="cpu",
@@ -73,12 +70,13 @@ def test_hf_folder_entry_serves_an_exported_model(engine, tmp_path):
             ),
         )
     )
-    res = other.sample(
+    res = sample(
+        other,
         SampleRequest(
             prompt=[1, 2, 3],
             base_model="my-model",
             params=SamplingParams(max_tokens=3, seed=0, stop=[]),
-        )
+        ),
     )
     assert len(res.sequences[0].tokens) == 3
     assert other.catalog.info("local/merged").vocab_size == 1024
@@ -104,11 +102,12 @@ def test_smollm2_answers_a_chat_question():
         tokenize=False,
     )
     prompt = tok.encode(text, add_special_tokens=False)
-    res = engine.sample(
+    res = sample(
+        engine,
         SampleRequest(
             prompt=prompt,
             base_model=SMOLLM2_NAME,
             params=SamplingParams(max_tokens=12, temperature=0.0),
-        )
+        ),
     )
     assert "Paris" in tok.decode(res.sequences[0].tokens)

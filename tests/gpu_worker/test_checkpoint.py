@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import AdamParams, Datum, LoraSpec
-from tests.gpu_worker.helpers import TINY, rng_tokens
+from tests.gpu_worker.helpers import TINY, next_token_logprobs, rng_tokens, training_run
 
 pytestmark = pytest.mark.unit
 
@@ -25,6 +25,11 @@ def batch(seed: int) -> list[Datum]:
         )
         for _ in range(3)
     ]
+
+
+def log_softmax(logits_TV: torch.Tensor) -> np.ndarray:
+    """(T-1, V): the reference model's distribution after each token but the last."""
+    return torch.log_softmax(logits_TV[:-1].float(), dim=-1).numpy()
 
 
 def train(engine, run: str, steps: range) -> list[float]:
@@ -56,8 +61,7 @@ def test_save_load_with_optimizer_reproduces_next_step(engine, tmp_path):
 def test_exported_adapter_loads_in_peft_with_same_logits(engine, tmp_path):
     from peft import PeftModel
 
-    engine.create_run("peft-exp", TINY, LoraSpec(rank=8, alpha=16, seed=1))
-    try:
+    with training_run(engine, "peft-exp", LoraSpec(rank=8, alpha=16, seed=1)):
         train(engine, "peft-exp", range(2))
         engine.export_adapter("peft-exp", tmp_path / "adapter")
         assert (tmp_path / "adapter" / "adapter_config.json").exists()
@@ -67,20 +71,17 @@ def test_exported_adapter_loads_in_peft_with_same_logits(engine, tmp_path):
         ).eval()
         tokens = list(range(5, 40))
         with torch.no_grad():
-            want = peft_model(input_ids=torch.tensor([tokens])).logits[0].numpy()
-        got = engine.logits("peft-exp", tokens)
-        base = engine.logits(None, tokens, base_model=TINY)
+            want = log_softmax(peft_model(input_ids=torch.tensor([tokens])).logits[0])
+        got = next_token_logprobs(engine, tokens, run_id="peft-exp")
+        base = next_token_logprobs(engine, tokens, base_model=TINY)
         assert np.abs(got - base).max() > 1e-3  # the adapter does something
         np.testing.assert_allclose(got, want, atol=1e-4)
-    finally:
-        engine.remove_run("peft-exp")
 
 
 def test_merged_export_loads_in_transformers_with_same_logits(engine, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    engine.create_run("merged", TINY, LoraSpec(rank=4, seed=2))
-    try:
+    with training_run(engine, "merged", LoraSpec(rank=4, seed=2)):
         train(engine, "merged", range(2))
         engine.export_merged("merged", tmp_path / "merged")
         model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
@@ -88,25 +89,21 @@ def test_merged_export_loads_in_transformers_with_same_logits(engine, tmp_path):
         assert tok.chat_template
         tokens = list(range(100, 130))
         with torch.no_grad():
-            want = model(input_ids=torch.tensor([tokens])).logits[0].numpy()
-        np.testing.assert_allclose(engine.logits("merged", tokens), want, atol=1e-4)
-    finally:
-        engine.remove_run("merged")
+            want = log_softmax(model(input_ids=torch.tensor([tokens])).logits[0])
+        got = next_token_logprobs(engine, tokens, run_id="merged")
+        np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def test_load_rejects_a_state_of_another_base_model(engine, tmp_path):
     from gpu_worker.protocol import UserInputError
 
-    engine.create_run("other-base", "treadle/tiny-qwen-1m", LoraSpec(rank=2))
-    try:
+    with training_run(engine, "other-base", LoraSpec(rank=2), base_model="treadle/tiny-qwen-1m"):
         engine.save_state("other-base", tmp_path / "q")
         with pytest.raises(UserInputError, match="trained on"):
             engine.load_state("x", tmp_path / "q", base_model=TINY)
         with pytest.raises(UserInputError, match="not a saved training state"):
             engine.load_state("x", tmp_path / "missing")
         assert "x" not in engine.run_ids()
-    finally:
-        engine.remove_run("other-base")
 
 
 @pytest.mark.parametrize("train_unembed", [True, False])
@@ -132,5 +129,5 @@ def test_merged_export_of_a_tied_embedding_model(tmp_path, train_unembed):
     assert model.config.tie_word_embeddings is (not train_unembed)
     tokens = list(range(7, 30))
     with torch.no_grad():
-        want = model(input_ids=torch.tensor([tokens])).logits[0].numpy()
-    np.testing.assert_allclose(engine.logits("t", tokens), want, atol=1e-4)
+        want = log_softmax(model(input_ids=torch.tensor([tokens])).logits[0])
+    np.testing.assert_allclose(next_token_logprobs(engine, tokens, run_id="t"), want, atol=1e-4)

@@ -11,6 +11,7 @@ import pytest
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
 from gpu_worker.protocol import LoraSpec
+from tests.gpu_worker.helpers import training_run
 
 PART_CHOICES = [flags for flags in itertools.product((True, False), repeat=3) if any(flags)]
 
@@ -20,11 +21,8 @@ def _allocated(engine: Engine, model: str, rank: int, flags: tuple[bool, bool, b
     attn, mlp, unembed = flags
     run_id = f"sizing-{model}-{rank}-{flags}"
     spec = LoraSpec(rank=rank, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
-    engine.create_run(run_id, model, spec)
-    try:
+    with training_run(engine, run_id, spec, base_model=model):
         return engine.run_memory_bytes(run_id) // 4
-    finally:
-        engine.remove_run(run_id)
 
 
 def _published(per_rank: dict[str, int], rank: int, flags: tuple[bool, bool, bool]) -> int:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import Datum, LoraSpec
-from tests.gpu_worker.helpers import TINY, VOCAB, adapter_grads, randomize_adapter, rng_tokens
+from tests.gpu_worker.helpers import TINY, VOCAB, adapter_grads, forward, rng_tokens, training_run
 from tests.gpu_worker.reference import datum_loss, hooked_lora, target_logprobs
 from treadle.types import TensorData
 
@@ -83,9 +83,7 @@ def assert_grads_close(got: dict, want: dict, atol: float = 2e-5) -> None:
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", *RL_LOSSES])
 def test_loss_matches_reference(engine, loss_fn):
     run = f"loss-{loss_fn}"
-    engine.create_run(run, TINY, LoraSpec(rank=4, seed=1))
-    try:
-        randomize_adapter(engine, run, seed=2)
+    with training_run(engine, run, LoraSpec(rank=4, seed=1), randomize_seed=2):
         data = make_data(loss_fn, seed=3)
         config = CONFIGS.get(loss_fn, {})
         result = engine.forward_backward(run, data, loss_fn, config)
@@ -95,16 +93,12 @@ def test_loss_matches_reference(engine, loss_fn):
             np.testing.assert_allclose(out["logprobs"], want, atol=1e-4)
         assert_grads_close(adapter_grads(engine, run), ref_grads)
         assert result.usage.trained_tokens == 7 + 12 + 3
-    finally:
-        engine.remove_run(run)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_top_k_cross_entropy_dense_and_csr(engine, sparse):
     run = f"topk-{sparse}"
-    engine.create_run(run, TINY, LoraSpec(rank=2, seed=5))
-    try:
-        randomize_adapter(engine, run, seed=6)
+    with training_run(engine, run, LoraSpec(rank=2, seed=5), randomize_seed=6):
         data = make_data("cross_entropy", seed=7, k=4)
         sent = data
         if sparse:  # what the tinker SDK sends for 2-D tensors: CSR with pad value 0
@@ -135,43 +129,34 @@ def test_top_k_cross_entropy_dense_and_csr(engine, sparse):
             assert out["logprobs"].shape == want.shape
             np.testing.assert_allclose(out["logprobs"], want, atol=1e-4)
         assert_grads_close(adapter_grads(engine, run), ref_grads)
-    finally:
-        engine.remove_run(run)
 
 
 def test_gradients_accumulate_across_calls(engine):
     run = "accumulate"
-    engine.create_run(run, TINY, LoraSpec(rank=4, seed=1))
-    try:
-        randomize_adapter(engine, run, seed=2)
+    with training_run(engine, run, LoraSpec(rank=4, seed=1), randomize_seed=2):
         data = make_data("cross_entropy", seed=11)
         engine.forward_backward(run, data[:1])
         engine.forward_backward(run, data[1:])
         _, _, ref_grads = reference(engine, run, "cross_entropy", data, {})
         assert_grads_close(adapter_grads(engine, run), ref_grads)
-    finally:
-        engine.remove_run(run)
 
 
 def test_forward_computes_without_gradients(engine):
     run = "forward-only"
-    engine.create_run(run, TINY, LoraSpec(rank=4))
-    try:
+    with training_run(engine, run, LoraSpec(rank=4)):
         data = make_data("cross_entropy", seed=12)
-        fwd = engine.forward(run, data)
+        fwd = forward(engine, run, data)
         assert all(p.grad is None for p in engine.adapter(run).parameters())
         fb = engine.forward_backward(run, data)
         assert fwd.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
-    finally:
-        engine.remove_run(run)
 
 
 def test_qwen2_architecture_matches_reference(engine):
     """q/k/v biases (Qwen2) go through the same LoRA layer."""
     run = "qwen-ref"
-    engine.create_run(run, "treadle/tiny-qwen-1m", LoraSpec(rank=3, seed=1))
-    try:
-        randomize_adapter(engine, run, seed=4)
+    with training_run(
+        engine, run, LoraSpec(rank=3, seed=1), base_model="treadle/tiny-qwen-1m", randomize_seed=4
+    ):
         data = make_data("ppo", seed=5)
         result = engine.forward_backward(run, data, "ppo")
         ref_loss, ref_logps, ref_grads = reference(
@@ -181,8 +166,6 @@ def test_qwen2_architecture_matches_reference(engine):
         for out, want in zip(result.loss_fn_outputs, ref_logps, strict=True):
             np.testing.assert_allclose(out["logprobs"], want, atol=1e-4)
         assert_grads_close(adapter_grads(engine, run), ref_grads)
-    finally:
-        engine.remove_run(run)
 
 
 def _with_thresholds(data: list[Datum]) -> list[Datum]:
@@ -205,13 +188,11 @@ def _with_thresholds(data: list[Datum]) -> list[Datum]:
 @pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
 def test_per_datum_clip_thresholds_override_the_config(engine, loss_fn):
     run = f"clip-{loss_fn}"
-    engine.create_run(run, TINY, LoraSpec(rank=4, seed=1))
-    try:
-        randomize_adapter(engine, run, seed=2)
+    with training_run(engine, run, LoraSpec(rank=4, seed=1), randomize_seed=2):
         plain = make_data(loss_fn, seed=3)
         data = _with_thresholds(plain)
         config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
-        baseline = engine.forward(run, plain, loss_fn, config)
+        baseline = forward(engine, run, plain, loss_fn, config)
         result = engine.forward_backward(run, data, loss_fn, config)
         ref_loss, _, ref_grads = reference(engine, run, loss_fn, data, config)
         assert result.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-4)
@@ -224,15 +205,11 @@ def test_per_datum_clip_thresholds_override_the_config(engine, loss_fn):
             baseline.loss_fn_outputs[2]["elementwise_loss"],
             atol=1e-6,
         )
-    finally:
-        engine.remove_run(run)
 
 
 def test_gspo_without_a_mask_uses_the_positions_with_nonzero_advantages(engine):
     run = "gspo-default-mask"
-    engine.create_run(run, TINY, LoraSpec(rank=4, seed=1))
-    try:
-        randomize_adapter(engine, run, seed=2)
+    with training_run(engine, run, LoraSpec(rank=4, seed=1), randomize_seed=2):
         data = []
         for d in make_data("gspo", seed=4):
             inputs = {k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"}
@@ -252,10 +229,8 @@ def test_gspo_without_a_mask_uses_the_positions_with_nonzero_advantages(engine):
             )
             for d in data
         ]
-        other = engine.forward(run, ones, "gspo", {})
+        other = forward(engine, run, ones, "gspo", {})
         assert abs(other.metrics["loss:sum"] - ref_loss) > 1e-4
-    finally:
-        engine.remove_run(run)
 
 
 @pytest.mark.parametrize(

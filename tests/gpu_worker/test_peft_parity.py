@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import AdamParams, Datum, LoraSpec
-from tests.gpu_worker.helpers import TINY, rng_tokens
+from tests.gpu_worker.helpers import TINY, rng_tokens, training_run
 
 pytestmark = pytest.mark.unit
 
@@ -30,8 +30,7 @@ def step_data(step: int) -> list[Datum]:
 def test_five_steps_match_peft_adamw(engine):
     from peft import LoraConfig, get_peft_model
 
-    engine.create_run("parity", TINY, LoraSpec(rank=8, alpha=16, seed=4))
-    try:
+    with training_run(engine, "parity", LoraSpec(rank=8, alpha=16, seed=4)):
         adapter = engine.adapter("parity")
         peft_model = get_peft_model(
             engine.catalog.load_model(TINY),
@@ -81,5 +80,3 @@ def test_five_steps_match_peft_adamw(engine):
         assert float((diff > 1e-4).float().mean()) < 1e-3
         assert float(diff.max()) < ADAM.learning_rate / 5
         assert float(diff.mean()) < 1e-6
-    finally:
-        engine.remove_run("parity")

@@ -14,7 +14,7 @@ from gpu_worker.protocol import (
     SamplingParams,
     UserInputError,
 )
-from tests.gpu_worker.helpers import TINY, VOCAB, rng_tokens
+from tests.gpu_worker.helpers import TINY, VOCAB, rng_tokens, sample, training_run
 
 pytestmark = pytest.mark.unit
 
@@ -118,9 +118,8 @@ def assert_same(a, b):
 
 @pytest.fixture(scope="module")
 def run(engine):
-    engine.create_run("validate", TINY, LoraSpec(rank=4, seed=1))
-    yield "validate"
-    engine.remove_run("validate")
+    with training_run(engine, "validate", LoraSpec(rank=4, seed=1)) as run_id:
+        yield run_id
 
 
 @pytest.mark.parametrize(("loss_fn", "config", "data", "needle"), CASES)
@@ -156,6 +155,6 @@ def test_bad_adam_and_sampling_params(engine, run):
     ]
     for params in bad:
         with pytest.raises(UserInputError):
-            engine.sample(SampleRequest(prompt=[1, 2], params=params, run_id=run))
+            sample(engine, SampleRequest(prompt=[1, 2], params=params, run_id=run))
     with pytest.raises(UserInputError, match="vocabulary"):
-        engine.sample(SampleRequest(prompt=[1, VOCAB + 5], run_id=run))
+        sample(engine, SampleRequest(prompt=[1, VOCAB + 5], run_id=run))

@@ -82,8 +82,10 @@ def _trained(rows: Rows, host: WorkerHost) -> str:
 
 
 def _loss(engine: Engine, run_id: str) -> float:
+    from tests.gpu_worker.helpers import forward
+
     request = forward_backward_request(run_id, 0, TOKENS, forward_only=True)
-    return engine.forward(run_id, convert.datums(request)).metrics["loss:sum"]
+    return forward(engine, run_id, convert.datums(request)).metrics["loss:sum"]
 
 
 def _restore(rows: Rows, host: WorkerHost, tmp_path: Path, run_id: str) -> Engine:
