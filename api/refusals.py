@@ -52,7 +52,7 @@ def keep_place(state: AppState, path: str, api_key: str | None, body: Any, messa
             **refused(message, ErrorCode.INVALID_INPUT),
             "forward_only": body.get("forward_only") is True,
         }
-        submit_to_run(state, principal, model_id, seq_id, kind, content)
+        submit_to_run(state, principal, model_id, seq_id, kind, content, usage=None)
     except TreadleError:
         return
     log.info(

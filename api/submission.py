@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import AppState
+from billing.ledger import UsageLine
 from core import runs, sessions
 from core.apikeys import Principal
 from core.errors import ErrorCode, InvalidInput, SessionExpired, TreadleError
@@ -148,13 +149,19 @@ def submit_to_run(
     seq_id: int,
     kind: OpKind,
     payload: Payload,
+    usage: tuple[UsageLine, ...] | None = (),
 ) -> UntypedAPIFuture:
     """Submit an op on the caller's run, in the run's order. If `payload` is a function that
     refuses the request, the op is still queued — it fails through its future in the run's
-    order — so the client's next seq_id never waits for one that will not come."""
+    order — so the client's next seq_id never waits for one that will not come. `usage` is
+    what the op will use (`billing.estimate`; empty for a free op), held against the tenant's
+    spend limits when it has any; None (a request refused on its content) and a refused
+    `payload` are queued whatever the spend."""
+    priced = usage if principal.spend_limited else None
 
     def work(db: OrmSession) -> tuple[str, Submitted]:
         run = active_run(db, state, principal, model_id)
+        estimated = priced
         if isinstance(payload, tuple):
             data, codec = payload
         else:
@@ -163,7 +170,7 @@ def submit_to_run(
             except TreadleError as exc:
                 if exc.category != "user" or isinstance(exc, SessionExpired):
                     raise
-                content = refused(exc.message, exc.code)
+                content, estimated = refused(exc.message, exc.code), None
             data, codec = encode_json_payload(content)
         return run.id, submit_training_op(
             db,
@@ -174,6 +181,7 @@ def submit_to_run(
             payload=data,
             payload_codec=codec,
             api_key_id=principal.key_id,
+            usage=estimated,
         )
 
     _, submitted = in_submission(state, work)

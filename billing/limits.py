@@ -8,9 +8,11 @@ its real cost is in the spend the ledger kept in the same transaction. The check
 tenant's row locked (see `core.tenants.lock_tenant`), so concurrent submissions see each
 other's reservations and only the op that crosses a limit goes beyond it.
 
-Two kinds of op are admitted whatever the spend: those that cost nothing (optim_step, load,
-create, unload), and one that fills a gap below a seq its training run already accepted,
-since refusing it would stall the run's later ops behind the gap.
+Over a limit, every op checked here is refused, the free ones too (an optim_step admitted
+while the forward_backward before it waits out its refusal would only stall its run behind the
+gap), except one that fills a gap below a seq its training run already accepted: refusing it
+would stall the run's later ops. The callers leave unchecked what must never wait on money:
+creating or loading a run, unloading it, and a request refused on its content.
 
 It knows nothing of HTTP: over a limit it raises `SpendLimitReached`, which the API answers
 with 402.
@@ -53,14 +55,12 @@ def reserve(
 
     Raises:
         SpendLimitReached: the tenant's or the session's spend plus reservations has reached
-            its limit, and the op is neither free nor filling a gap of its run.
+            its limit, and the op does not fill a gap of its run.
     """
     if not has_limit(tenant):
         return 0
     now = clock.now()
     cost = estimate_micros(db, estimate, now)
-    if cost == 0:
-        return 0
     refusal = _over_tenant_limit(db, tenant, now) or _over_session_limit(db, tenant, session_id)
     if refusal is not None and not _fills_gap(db, target_id, run_seq_id):
         raise SpendLimitReached(refusal)

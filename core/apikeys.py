@@ -38,6 +38,9 @@ class Principal:
     scope: str
     # True when the key's last-used time is older than its resolution: call `touch` to record use.
     stale_last_used: bool = False
+    # True when the tenant has a spend limit (per period or per session) when the key was read:
+    # only then does a submission price its work, so tenants without one pay nothing for it.
+    spend_limited: bool = False
 
     @property
     def is_admin(self) -> bool:
@@ -90,6 +93,8 @@ def authenticate(
             ApiKey.scope,
             ApiKey.last_used_at,
             Tenant.disabled,
+            Tenant.spend_limit_micros,
+            Tenant.session_spend_limit_micros,
         )
         .join(Tenant, Tenant.id == ApiKey.tenant_id)
         .where(ApiKey.id == key_id)
@@ -107,7 +112,14 @@ def authenticate(
         raise PermissionDenied("this tenant is disabled; contact the operator")
     now = clock.now()
     stale = row.last_used_at is None or now - row.last_used_at >= _LAST_USED_RESOLUTION
-    return Principal(tenant_id=row.tenant_id, key_id=key_id, scope=row.scope, stale_last_used=stale)
+    limited = row.spend_limit_micros is not None or row.session_spend_limit_micros is not None
+    return Principal(
+        tenant_id=row.tenant_id,
+        key_id=key_id,
+        scope=row.scope,
+        stale_last_used=stale,
+        spend_limited=limited,
+    )
 
 
 def touch(db: OrmSession, clock: Clock, key_id: str) -> None:

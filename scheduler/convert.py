@@ -32,6 +32,8 @@ from treadle.wire import encode_sample_response, output_field_names, record_runs
 MAX_DENSE_ENTRIES = 1 << 24
 # The second dimension of a 2-D loss input is a top-K width (distillation targets).
 MAX_TOP_K = 1024
+# Tokens generated per sequence when a sample request leaves max_tokens unset.
+DEFAULT_MAX_TOKENS = 16
 
 
 def lora_spec(config: dict[str, Any]) -> ep.LoraSpec:
@@ -254,7 +256,7 @@ def sample_request(
     return ep.SampleRequest(
         prompt=_tokens(request.prompt, "prompt"),
         params=ep.SamplingParams(
-            max_tokens=params.max_tokens if params.max_tokens is not None else 16,
+            max_tokens=params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,

@@ -177,26 +177,30 @@ def _csr_problem(
 # ---- shapes --------------------------------------------------------------------------------
 
 
-def check_shapes(msg: pb.ForwardBackwardRequest) -> None:
+def check_shapes(msg: pb.ForwardBackwardRequest) -> int:
     """`convert.check_shapes` on a format-checked message: token counts from the byte lengths
-    of the token chunks, loss-input shapes from their `shape` fields or value counts.
+    of the token chunks, loss-input shapes from their `shape` fields or value counts. Returns
+    the tokens of all model inputs (what the request trains, priced before it runs).
 
     Raises:
         UserInputError: a non-token chunk, or a loss input that does not fit its datum.
     """
-    entries = 0
+    entries = tokens = 0
     for i, datum in enumerate(msg.data):
         n = _token_count(datum, f"data[{i}].model_input")
+        tokens += n
         entries += convert.check_datum_shapes(
             i, n, ((name, _dense_shape(t)) for name, t in datum.loss_fn_inputs.items())
         )
     convert.check_total_entries(entries)
+    return tokens
 
 
-def check_request_shapes(msg: pb.ForwardBackwardRequest) -> None:
-    """`check_shapes` for the API, where a refusal is a domain error (400)."""
+def check_request_shapes(msg: pb.ForwardBackwardRequest) -> int:
+    """`check_shapes` for the API, where a refusal is a domain error (400); returns the
+    tokens of the model inputs."""
     try:
-        check_shapes(msg)
+        return check_shapes(msg)
     except ep.UserInputError as exc:
         raise InvalidInput(str(exc)) from exc
 

@@ -57,14 +57,15 @@ def submit(
     """Queue an op, or answer a resubmission with the original. `next_in_order` marks the op
     its training run waits for next (see `_admit`); `api_key_id` is the submitting key, whose
     usage the op's is counted as. `estimate` is what the op will use, given when its tenant
-    has a spend limit: it is held against the limits (`billing.limits`)."""
+    has a spend limit: it is held against the limits (`billing.limits`); unload_model, which
+    frees resources, is never held back."""
     if seq_id is not None:
         existing = _existing(db, tenant_id, target_id, seq_id, kind)
         if existing is not None:
             return Submitted(existing.id, duplicate=True)
     locked = _admit(db, tenant_id, kind, next_in_order)
     reserved = 0
-    if estimate is not None:
+    if estimate is not None and kind is not OpKind.UNLOAD_MODEL:
         reserved = spend_limits.reserve(
             db,
             clock,
@@ -173,7 +174,8 @@ def submit_training_op(
     usage: tuple[UsageLine, ...] | None = None,
 ) -> Submitted:
     """Submit an op on a training run, in the run's seq order. `usage` is what the op will
-    use, given when its tenant has a spend limit.
+    use (empty for a free op), given when its tenant has a spend limit; None admits the op
+    whatever the spend.
 
     A seq_id at or below what the run already executed can only be a resubmission (answered
     with the original request) or a request that arrived after its gap was released, which is
@@ -193,7 +195,7 @@ def submit_training_op(
         payload_codec=payload_codec,
         next_in_order=seq_id == run.executed_seq_id + 1,
         api_key_id=api_key_id,
-        estimate=Estimate(run.base_model, usage) if usage else None,
+        estimate=None if usage is None else Estimate(run.base_model, usage),
     )
     if not submitted.duplicate and seq_id <= run.executed_seq_id:
         op = db.get(Operation, submitted.request_id)

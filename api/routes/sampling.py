@@ -8,15 +8,19 @@ from sqlalchemy.orm import Session as OrmSession
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses
 from api.submission import check_base_model, in_submission, require_session
+from billing import estimate
+from billing.estimate import Estimate
 from core import checkpoints, runs
 from core.errors import InvalidInput, RateLimited
 from core.tables import ModelPackage, ModelVersion
 from scheduler import oplog
+from scheduler.convert import DEFAULT_MAX_TOKENS
 from scheduler.ops import OpKind, encode_json_payload
 from scheduler.submit import Submitted, submit
 from treadle.types import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
+    EncodedTextChunk,
     GetSamplerResponse,
     SampleRequest,
     UntypedAPIFuture,
@@ -98,6 +102,14 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
         )
 
     sampler_id = body.sampling_session_id
+    usage = None
+    if principal.spend_limited:
+        max_tokens = body.sampling_params.max_tokens
+        usage = estimate.sample(
+            sum(len(c.tokens) for c in body.prompt.chunks if isinstance(c, EncodedTextChunk)),
+            DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            body.num_samples,
+        )
 
     def work(db: OrmSession) -> tuple[str, Submitted]:
         sampler = runs.get_sampling_session(db, principal.tenant_id, sampler_id)
@@ -130,6 +142,7 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
             payload=payload,
             payload_codec=codec,
             api_key_id=principal.key_id,
+            estimate=None if usage is None else Estimate(sampler.base_model, usage),
         )
         return sampler.id, submitted
 

@@ -11,6 +11,7 @@ from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses, raw_request_body
 from api.submission import check_base_model, in_submission, open_run, submit_to_run
 from api.validation import clip, describe
+from billing import estimate
 from core import runs
 from core.errors import ErrorCode, InvalidInput, PayloadTooLarge
 from core.tables import TrainingRun
@@ -97,9 +98,10 @@ def get_info(body: GetInfoRequest, principal: CurrentPrincipal, state: State) ->
 
 def _decode_forward_backward(
     body: bytes, content_type: str, content_encoding: str | None, max_bytes: int
-) -> tuple[Submission, bytes, str]:
-    """What queues the op, and the payload to store: the protobuf as sent (zstd-compressed
-    unless it came compressed), or the refusal of loss inputs that do not fit their datums.
+) -> tuple[Submission, bytes, str, int | None]:
+    """What queues the op, the payload to store: the protobuf as sent (zstd-compressed
+    unless it came compressed), or the refusal of loss inputs that do not fit their datums;
+    and the tokens the request trains (None for a refusal, which trains nothing).
 
     A protobuf body is parsed, but no value in it becomes a Python object here: the checks
     read byte lengths, shapes and (for CSR tensors) index arrays through numpy. A compressed
@@ -117,12 +119,13 @@ def _decode_forward_backward(
             except InvalidInput as exc:
                 refusal = exc
             else:
-                return submission, payload, "proto+zstd"
+                tokens = sum(datum.model_input.length for datum in request.data)
+                return submission, payload, "proto+zstd", tokens
         else:
             msg = fb_proto.read(body, content_encoding, max_bytes)
             submission = fb_proto.submission(msg)
             try:
-                fb_proto.check_request_shapes(msg)
+                tokens = fb_proto.check_request_shapes(msg)
             except InvalidInput as exc:
                 refusal = exc
     except BodyTooLarge as exc:
@@ -138,13 +141,14 @@ def _decode_forward_backward(
         # Loss inputs the engine could not even lay out never reach it: the request keeps its
         # place in the run's order and fails there, like any request refused on its content.
         # forward_only is kept so that a refused forward pass never fails an optim_step.
-        return submission, *encode_json_payload(
+        content, codec = encode_json_payload(
             {**refused(refusal.message, refusal.code), "forward_only": submission.forward_only}
         )
+        return submission, content, codec, None
     if content_encoding in ("zstd", "gzip"):
-        return submission, body, f"proto+{content_encoding}"
+        return submission, body, f"proto+{content_encoding}", tokens
     payload, codec = encode_proto_payload(body)
-    return submission, payload, codec
+    return submission, payload, codec, tokens
 
 
 @router.post(
@@ -164,7 +168,7 @@ async def forward_backward(
 ) -> UntypedAPIFuture:
     """Protobuf body (as the tinker SDK sends it), or JSON for clients without protobuf."""
     body = await request.body()
-    decoded, payload, codec = await run_in_threadpool(
+    decoded, payload, codec, tokens = await run_in_threadpool(
         _decode_forward_backward,
         body,
         request.headers.get("content-type", ""),
@@ -179,6 +183,7 @@ async def forward_backward(
         decoded.seq_id,
         OpKind.FORWARD_BACKWARD,
         (payload, codec),
+        None if tokens is None else estimate.training(tokens),
     )
 
 

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session as OrmSession
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS
 from api.submission import check_base_model, in_submission, open_run, submit_to_run
+from billing import estimate
 from core import checkpoints, runs
 from core.errors import ErrorCode, InvalidInput
 from core.tables import ModelPackage, ModelVersion, TrainingRun
@@ -73,6 +74,7 @@ def save_weights(
         _seq_id(body.seq_id, "save_weights"),
         OpKind.SAVE_WEIGHTS,
         _new_checkpoint(body, "training", body.overwrite),
+        usage=estimate.checkpoint(),
     )
 
 
@@ -108,6 +110,7 @@ def save_weights_for_sampler(
         _seq_id(body.seq_id, "save_weights_for_sampler"),
         OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
         payload,
+        usage=estimate.checkpoint(),
     )
 
 
@@ -138,6 +141,7 @@ def save_weights_external(
         _seq_id(body.seq_id, "save_weights_external"),
         OpKind.SAVE_WEIGHTS_EXTERNAL,
         payload,
+        usage=estimate.checkpoint(),
     )
 
 
