@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     # An op interrupted this many times (failed engine steps, worker crashes) fails for good.
     max_op_attempts: int = Field(default=3, ge=1)
     max_queued_samples: int = 2048
+    # How long the tinker SDK waits out 402s (a spend limit reached) before it gives up: sent
+    # as `billing_exception_max_pause_duration_sec` by /client/config.
+    spend_limit_pause_seconds: int = Field(default=3600, ge=0)
     # Checkpoint storage is metered per whole hour (`billing.storage`); this often, at most.
     storage_meter_seconds: float = Field(default=300.0, gt=0)
 

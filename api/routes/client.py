@@ -40,9 +40,12 @@ _JSON_KINDS = {
     responses=error_responses(413, 422),
 )
 def client_config(_: ClientConfigRequest, state: State) -> ClientConfigResponse:
-    # Plain httpx keeps one HTTP stack on both sides; everything else keeps the SDK defaults.
+    # Plain httpx keeps one HTTP stack on both sides. A 402 (spend limit reached) pauses the
+    # SDK's work for up to the pause given here, so a raised limit lets it go on.
     return ClientConfigResponse(
-        use_pyqwest_transport=False, fwdbwd_max_chunk_len=state.settings.fwdbwd_max_chunk_len
+        use_pyqwest_transport=False,
+        fwdbwd_max_chunk_len=state.settings.fwdbwd_max_chunk_len,
+        billing_exception_max_pause_duration_sec=state.settings.spend_limit_pause_seconds,
     )
 
 

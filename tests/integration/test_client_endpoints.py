@@ -34,7 +34,8 @@ def env(tmp_path: Path, sqlite_url: str) -> Iterator[tuple[TestClient, TenantFac
 def test_client_config_and_health(env: tuple[TestClient, TenantFactory]) -> None:
     client, _ = env
     assert client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}).json() == {
-        "use_pyqwest_transport": False
+        "use_pyqwest_transport": False,
+        "billing_exception_max_pause_duration_sec": 3600,
     }
     assert client.post("/api/v1/client/dynamic_config", json={"sdk_version": "0.38.0"}).json() == {}
     assert client.get("/api/v1/healthz").json() == {"status": "ok"}

@@ -39,7 +39,7 @@ class ClientConfigResponse(WireResponse):
     sample_use_retrieve_futures: bool | None = _flag()
     sample_join_sampling_session: bool | None = _flag()
     custom_loss_server_side: bool | None = _flag()
-    billing_exception_max_pause_duration_sec: float | None = _flag()
+    billing_exception_max_pause_duration_sec: int | None = _flag()
     credential_default_source: str | None = _flag()
     sample_dispatch_bytes_semaphore_size: int | None = _flag()
     inflight_response_bytes_semaphore_size: int | None = _flag()
