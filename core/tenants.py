@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
+from core import audit
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound
 from core.ids import new_tenant_id
 from core.tables import Tenant
 
 MAX_LORA_RANK_CEILING = 1024
+_STRIPE_CUSTOMER_ID = re.compile(r"cus_[A-Za-z0-9]{1,96}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,31 @@ def update_tenant_limits(
     tenant.max_concurrent_sessions = new_sessions
     tenant.max_lora_rank = new_rank
     tenant.spend_limit_micros = new_spend
+    db.flush()
+    return tenant
+
+
+def link_stripe_customer(
+    db: OrmSession, clock: Clock, tenant: Tenant, stripe_customer_id: str, *, actor: str
+) -> Tenant:
+    """Bill `tenant` to a Stripe customer from now on: the Stripe pusher sends its usage there.
+    Usage already pushed stays with the customer it went to."""
+    if not _STRIPE_CUSTOMER_ID.fullmatch(stripe_customer_id):
+        raise InvalidInput(
+            f"{stripe_customer_id[:120]!r} is not a Stripe customer id; pass the id Stripe shows "
+            "for the customer, e.g. cus_NffrFeUfNV2Hib"
+        )
+    previous = tenant.stripe_customer_id
+    tenant.stripe_customer_id = stripe_customer_id
+    audit.record(
+        db,
+        clock,
+        tenant_id=tenant.id,
+        actor=actor,
+        action="tenant.stripe_linked",
+        target=stripe_customer_id,
+        detail={"previous": previous},
+    )
     db.flush()
     return tenant
 

@@ -1,0 +1,138 @@
+"""The reconciler: what Stripe's meters hold per tenant and usage kind over a period, beside what
+the ledger says they should hold.
+
+Only settled hours are compared (the pusher sends nothing sooner), so a period's end is moved
+back to the last settled hour. Stripe aggregates meter events asynchronously: an event accepted
+a minute ago may not be in its summaries yet, so a difference on recent hours can be a delay.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session as OrmSession
+
+from billing.stripe_gateway import StripeGateway
+from billing.stripe_push import meter_event_name, settled_before
+from billing.tables import USAGE_KINDS, StripeMeterPush, UsageEvent
+from core.clock import Clock
+from core.db import Database
+from core.tables import Tenant
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MeterBalance:
+    """One tenant's one usage kind over a period, in micro-units."""
+
+    tenant_id: str
+    tenant_name: str
+    kind: str
+    event_name: str
+    stripe_micros: int
+    ledger_micros: int
+    recorded_micros: int  # what `stripe_meter_pushes` says Stripe accepted
+    meter_found: bool
+
+    @property
+    def differs(self) -> bool:
+        return self.stripe_micros != self.ledger_micros
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    since: datetime
+    until: datetime
+    balances: list[MeterBalance]
+
+    @property
+    def differences(self) -> list[MeterBalance]:
+        return [balance for balance in self.balances if balance.differs]
+
+
+def reconcile(
+    database: Database,
+    gateway: StripeGateway,
+    clock: Clock,
+    *,
+    since: datetime,
+    until: datetime | None = None,
+    meter_prefix: str = "treadle",
+    settle_seconds: float = 600.0,
+) -> Reconciliation:
+    """Compare Stripe with the ledger for every tenant linked to a Stripe customer, over the
+    whole hours in [since, until) that have settled (`until` defaults to now)."""
+    since = since.replace(minute=0, second=0, microsecond=0)
+    until = min(until or clock.now(), settled_before(clock.now(), settle_seconds))
+    until = until.replace(minute=0, second=0, microsecond=0)
+    if until <= since:
+        return Reconciliation(since, until, [])
+    with database.reader() as db:
+        tenants = db.execute(
+            select(Tenant.id, Tenant.name, Tenant.stripe_customer_id)
+            .where(Tenant.stripe_customer_id.is_not(None))
+            .order_by(Tenant.name)
+        ).all()
+        ledger = _ledger_sums(db, since, until)
+        recorded = _recorded_sums(db, since, until)
+    meters = gateway.meter_ids()
+    balances: list[MeterBalance] = []
+    for tenant_id, name, customer in tenants:
+        if customer is None:  # not selected; for the type checker
+            continue
+        for kind in USAGE_KINDS:
+            event_name = meter_event_name(meter_prefix, kind)
+            meter_id = meters.get(event_name)
+            owed = ledger.get((tenant_id, kind), 0)
+            held = 0 if meter_id is None else gateway.summed_value(meter_id, customer, since, until)
+            if meter_id is None and owed == 0:
+                continue
+            balances.append(
+                MeterBalance(
+                    tenant_id=tenant_id,
+                    tenant_name=name,
+                    kind=kind,
+                    event_name=event_name,
+                    stripe_micros=held,
+                    ledger_micros=owed,
+                    recorded_micros=recorded.get((tenant_id, kind), 0),
+                    meter_found=meter_id is not None,
+                )
+            )
+    result = Reconciliation(since, until, balances)
+    for balance in result.differences:
+        log.warning(
+            "Stripe meter %s holds %d micro-units for tenant %s over %s..%s; the ledger says %d%s",
+            balance.event_name,
+            balance.stripe_micros,
+            balance.tenant_name,
+            since.isoformat(),
+            until.isoformat(),
+            balance.ledger_micros,
+            "" if balance.meter_found else " (no active meter with that event name in Stripe)",
+        )
+    return result
+
+
+def _ledger_sums(db: OrmSession, since: datetime, until: datetime) -> dict[tuple[str, str], int]:
+    rows = db.execute(
+        select(UsageEvent.tenant_id, UsageEvent.kind, func.sum(UsageEvent.amount_micros))
+        .where(UsageEvent.price_id.is_not(None), UsageEvent.hour >= since, UsageEvent.hour < until)
+        .group_by(UsageEvent.tenant_id, UsageEvent.kind)
+    )
+    return {(tenant_id, kind): int(total or 0) for tenant_id, kind, total in rows}
+
+
+def _recorded_sums(db: OrmSession, since: datetime, until: datetime) -> dict[tuple[str, str], int]:
+    rows = db.execute(
+        select(
+            StripeMeterPush.tenant_id, StripeMeterPush.kind, func.sum(StripeMeterPush.value_micros)
+        )
+        .where(StripeMeterPush.hour >= since, StripeMeterPush.hour < until)
+        .group_by(StripeMeterPush.tenant_id, StripeMeterPush.kind)
+    )
+    return {(tenant_id, kind): int(total or 0) for tenant_id, kind, total in rows}
