@@ -6,6 +6,8 @@ runs the revisions in `migrations/`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from importlib import resources
 
 from alembic import command
@@ -26,17 +28,39 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(db: Database, revision: str = "head") -> None:
-    config = alembic_config(db.url)
-    with db.engine.begin() as conn:
-        config.attributes["connection"] = conn
+    with _migrating(db) as config:
         command.upgrade(config, revision)
 
 
 def downgrade(db: Database, revision: str = "base") -> None:
-    config = alembic_config(db.url)
-    with db.engine.begin() as conn:
-        config.attributes["connection"] = conn
+    with _migrating(db) as config:
         command.downgrade(config, revision)
+
+
+@contextlib.contextmanager
+def _migrating(db: Database) -> Iterator[Config]:
+    """One transaction for the revisions. On SQLite, foreign keys are off while they run (SQLite
+    changes a column by copying its table, and dropping the old copy of a table that other rows
+    reference would fail) and checked before the commit, as SQLite's own procedure for schema
+    changes does; the setting only takes effect outside a transaction."""
+    config = alembic_config(db.url)
+    with db.engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=OFF")  # type: ignore[union-attr]
+        try:
+            with conn.begin():
+                config.attributes["connection"] = conn
+                yield config
+                if sqlite:
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise RuntimeError(
+                            f"the migration left rows with dangling references: {broken[:5]}"
+                        )
+        finally:
+            if sqlite:
+                conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=ON")  # type: ignore[union-attr]
 
 
 def head_revision(db: Database) -> str | None:

@@ -5,11 +5,17 @@ the record of meter events Stripe accepted.
 their new shape. Existing usage events keep their quantities, get the hour they were recorded
 in, and stay unpriced (`price_id` NULL, amount 0): no price book existed when they happened.
 
+The price book starts with default "*" versions, in force from the epoch for every model
+without its own: Tinker's published per-1M-token prices for Qwen3-4B-Instruct (January 2026:
+$0.07 prefill, $0.22 sample, $0.22 train), cached prefill 80% off (October 2026), checkpoint
+storage $0.10 per GB-month, and no per-checkpoint fee.
+
 Revision ID: 0005
 Revises: 0004
 """
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import sqlalchemy as sa
 from alembic import op
@@ -22,10 +28,21 @@ depends_on: str | Sequence[str] | None = None
 _ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 _TIME = sa.DateTime(timezone=True)
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# (kind, micro-units per unit, cached micro-units): tokens per 1M, storage per GB-month,
+# checkpoint per checkpoint.
+_DEFAULT_PRICES = (
+    ("training", 220_000, None),
+    ("sampling_prefill", 70_000, 14_000),
+    ("sampling_sample", 220_000, None),
+    ("checkpoint", 0, None),
+    ("storage", 100_000, None),
+)
+
 
 def upgrade() -> None:
     op.drop_table("prices")
-    op.create_table(
+    prices = op.create_table(
         "prices",
         sa.Column("id", _ID, nullable=False),
         sa.Column("base_model", sa.String(length=200), nullable=False),
@@ -43,6 +60,7 @@ def upgrade() -> None:
             name=op.f("uq_prices_base_model_kind_effective_from"),
         ),
     )
+    _seed_default_prices(prices)
     op.drop_table("usage_rollups")
     op.create_table(
         "usage_rollups",
@@ -153,10 +171,34 @@ def upgrade() -> None:
         batch_op.alter_column("reserved_micros", server_default=None)
 
 
+def _seed_default_prices(prices: sa.Table | None) -> None:
+    assert prices is not None
+    op.bulk_insert(
+        prices,
+        [
+            {
+                "base_model": "*",
+                "kind": kind,
+                "unit_micros": unit,
+                "cached_unit_micros": cached,
+                "effective_from": _EPOCH,
+                "created_at": _EPOCH,
+                "created_by": "default",
+            }
+            for kind, unit, cached in _DEFAULT_PRICES
+        ],
+    )
+
+
 def _backfill_hours() -> None:
     bind = op.get_bind()
     if bind.dialect.name == "postgresql":
-        op.execute("UPDATE usage_events SET hour = date_trunc('hour', created_at)")
+        # Truncated in UTC: date_trunc on a timestamptz works in the session's time zone, and
+        # a zone offset by half an hour would shift every hour.
+        op.execute(
+            "UPDATE usage_events SET hour = "
+            "date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+        )
         return
     # SQLite holds UTC times as text ("YYYY-MM-DD HH:MM:SS.ffffff"): zero what follows the hour.
     events = sa.table(

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import MetaData, inspect, select, text
 
 import billing.tables  # noqa: F401  (registers billing tables)
 from api import dbschema
 from api.app import create_app
+from billing.rollups import recompute_rollups
+from billing.tables import UsageEvent, UsageRollup
 from core.db import Database
 from core.errors import DatabaseNotMigrated
 from core.tables import Base
@@ -77,3 +80,96 @@ def test_embedded_default_database_is_migrated_on_start(tmp_path: Path) -> None:
     database = app.state.treadle.database
     assert dbschema.current_revision(database) == dbschema.head_revision(database)
     assert (tmp_path / "data" / "treadle.db").exists()
+
+
+def test_billing_revision_gives_recorded_usage_its_utc_hour(database_url: str) -> None:
+    """0005 keeps the usage recorded before it, each event in the UTC hour it was recorded in
+    (on PostgreSQL even for a session whose time zone is half an hour off UTC), unpriced."""
+    database = Database(database_url)
+    if database.engine.dialect.name == "postgresql":
+        with database.engine.begin() as conn:
+            name = conn.execute(text("SELECT current_database()")).scalar_one()
+            conn.execute(text(f"ALTER DATABASE \"{name}\" SET timezone TO 'Asia/Kolkata'"))
+        database.engine.dispose()
+    dbschema.upgrade(database, "0004")
+    tables = MetaData()
+    tables.reflect(database.engine, only=["tenants", "sessions", "operations", "usage_events"])
+    t = datetime(2026, 3, 31, 23, 59, 59, 999_999, tzinfo=UTC)
+    recorded = [t, t + timedelta(microseconds=1), t - timedelta(minutes=30), t + timedelta(hours=5)]
+    with database.engine.begin() as conn:
+        conn.execute(
+            tables.tables["tenants"].insert(),
+            [
+                dict(
+                    id="t1",
+                    name="acme",
+                    max_concurrent_sessions=1,
+                    max_lora_rank=8,
+                    disabled=False,
+                    created_at=t,
+                )
+            ],
+        )
+        conn.execute(
+            tables.tables["sessions"].insert(),
+            [
+                dict(
+                    id="s1",
+                    tenant_id="t1",
+                    status="active",
+                    tags=[],
+                    created_at=t,
+                    last_heartbeat_at=t,
+                )
+            ],
+        )
+        conn.execute(
+            tables.tables["operations"].insert(),
+            [
+                dict(
+                    id=f"op{i}",
+                    tenant_id="t1",
+                    session_id="s1",
+                    target_id="r1",
+                    kind="forward_backward",
+                    status="done",
+                    payload=b"",
+                    payload_codec="json",
+                    attempts=1,
+                    created_at=at,
+                )
+                for i, at in enumerate(recorded)
+            ],
+        )
+        conn.execute(
+            tables.tables["usage_events"].insert(),
+            [
+                dict(
+                    tenant_id="t1",
+                    session_id="s1",
+                    operation_id=f"op{i}",
+                    kind="training",
+                    base_model="m",
+                    quantity=10 + i,
+                    cached_quantity=0,
+                    created_at=at,
+                )
+                for i, at in enumerate(recorded)
+            ],
+        )
+
+    dbschema.upgrade(database)
+    with database.reader() as db:
+        events = db.scalars(select(UsageEvent).order_by(UsageEvent.quantity)).all()
+        assert [(e.created_at, e.hour, e.price_id, e.amount_micros) for e in events] == [
+            (at, at.replace(minute=0, second=0, microsecond=0), None, 0) for at in recorded
+        ]
+        assert [e.hour.isoformat() for e in events] == [
+            "2026-03-31T23:00:00+00:00",
+            "2026-04-01T00:00:00+00:00",
+            "2026-03-31T23:00:00+00:00",
+            "2026-04-01T04:00:00+00:00",
+        ]
+        # The rollups rebuilt from them (unpriced: price 0) hold every event.
+        recompute_rollups(db)
+        assert sum(r.events for r in db.scalars(select(UsageRollup))) == 4

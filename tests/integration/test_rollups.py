@@ -1,0 +1,227 @@
+"""Hourly rollups and period spend stay the sums of the ledger: a randomized run of recordings
+(several tenants, keys, sessions, models and kinds over many hours, replayed ops, a price
+change) leaves rollups equal to a direct sum over the events and to a rebuild from them, on
+each database."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import delete, select
+
+from billing import pricebook
+from billing.ledger import UsageLine, record_usage
+from billing.prices import PriceCache, cost_micros, rate_in_force
+from billing.rollups import RolledEvent, add_to_rollups, recompute_rollups, rollup_totals
+from billing.spend import period_spend, period_start
+from billing.tables import NO_DIMENSION, USAGE_KINDS, TenantSpend, UsageEvent, UsageRollup
+from core import apikeys
+from core.clock import FakeClock
+from core.tables import Tenant
+from scheduler.ops import OpKind
+from tests.scheduling import Rows, migrated
+
+pytestmark = pytest.mark.integration
+
+MODELS = ("treadle/tiny-1m", "treadle/tiny-10m")
+OP_KINDS = tuple(k for k in USAGE_KINDS if k != "storage")  # storage is metered, not per op
+
+RollupKey = tuple[str, datetime, str, str, str, str, int]
+
+
+@pytest.fixture
+def rows(database_url: str) -> Rows:
+    # Late in a month, so the run crosses into the next billing period.
+    return Rows(migrated(database_url), FakeClock(datetime(2026, 3, 31, 20, 5, tzinfo=UTC)))
+
+
+def _api_key(rows: Rows, tenant_id: str) -> str:
+    with rows.database.transaction() as db:
+        tenant = db.get(Tenant, tenant_id)
+        assert tenant is not None
+        key, _ = apikeys.issue_api_key(db, rows.clock, b"s" * 32, tenant, name="", scope="tenant")
+        return key.id
+
+
+def _stored_rollups(rows: Rows) -> dict[RollupKey, tuple[int, int, int, int]]:
+    with rows.database.reader() as db:
+        return {
+            (r.tenant_id, r.hour, r.api_key_id, r.session_id, r.base_model, r.kind, r.price_id): (
+                r.events,
+                r.quantity,
+                r.cached_quantity,
+                r.amount_micros,
+            )
+            for r in db.scalars(select(UsageRollup))
+        }
+
+
+def _ledger_sums(events: list[UsageEvent]) -> dict[RollupKey, tuple[int, int, int, int]]:
+    sums: dict[RollupKey, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for e in events:
+        key = (
+            e.tenant_id,
+            e.hour,
+            e.api_key_id or NO_DIMENSION,
+            e.session_id or NO_DIMENSION,
+            e.base_model,
+            e.kind,
+            e.price_id or 0,
+        )
+        for i, value in enumerate((1, e.quantity, e.cached_quantity, e.amount_micros)):
+            sums[key][i] += value
+    return {key: (a, b, c, d) for key, (a, b, c, d) in sums.items()}
+
+
+def test_rollups_and_spend_equal_the_ledger_and_its_rebuild(rows: Rows) -> None:
+    rng = random.Random(20260331)
+    tenants = [rows.tenant(max_queued_ops=10_000) for _ in range(3)]
+    keys = {t: [_api_key(rows, t), _api_key(rows, t), None] for t in tenants}
+    runs = {t: [rows.run(t), rows.run(t)] for t in tenants}
+    next_seq: dict[str, int] = defaultdict(lambda: 1)
+    cache = PriceCache(rows.clock)
+    recorded: list[tuple[str, str, str | None, str | None, str, list[UsageLine]]] = []
+    returned_total = 0
+    price_changed = False
+
+    for step in range(90):
+        rows.clock.advance(rng.randint(0, 25 * 60))
+        if step == 30:
+            # A new training price for one model, and a new "*" sampling price, both in force
+            # from the next allowed minute; later events are priced by them.
+            with rows.database.transaction() as db:
+                pricebook.set_price(
+                    db, rows.clock, base_model=MODELS[1], kind="training", unit_micros=500_000
+                )
+                pricebook.set_price(
+                    db,
+                    rows.clock,
+                    base_model="*",
+                    kind="sampling_prefill",
+                    unit_micros=90_000,
+                    cached_unit_micros=9_000,
+                )
+            price_changed = True
+        if recorded and rng.random() < 0.25:
+            # A replay (redelivery, a crash before the ack): the same op recorded again, maybe
+            # with other quantities or an extra kind; nothing already recorded counts again.
+            tenant, op_id, key, session, model, lines = rng.choice(recorded)
+            if rng.random() < 0.5:
+                lines = [UsageLine(line.kind, line.quantity * 2) for line in lines]
+        else:
+            tenant = rng.choice(tenants)
+            run = rng.choice(runs[tenant])
+            op_id = rows.training_op(run, next_seq[run], OpKind.FORWARD_BACKWARD).request_id
+            next_seq[run] += 1
+            key = rng.choice(keys[tenant])
+            session = None if rng.random() < 0.2 else rows.op(op_id).session_id
+            model = rng.choice(MODELS)
+            kinds = rng.sample(OP_KINDS, rng.randint(1, len(OP_KINDS)))
+            lines = []
+            for kind in kinds:
+                quantity = rng.choice((0, 1, rng.randint(1, 5000)))
+                cached = rng.randint(0, quantity) if kind == "sampling_prefill" else 0
+                lines.append(UsageLine(kind, quantity, cached))
+            recorded.append((tenant, op_id, key, session, model, lines))
+        with rows.database.transaction() as db:
+            returned_total += record_usage(
+                db,
+                rows.clock,
+                tenant_id=tenant,
+                api_key_id=key,
+                session_id=session,
+                operation_id=op_id,
+                base_model=model,
+                lines=lines,
+                rates=cache if step % 2 else rate_in_force,
+            )
+    assert price_changed
+
+    with rows.database.reader() as db:
+        events = list(db.scalars(select(UsageEvent)))
+        # Every event is priced at the version in force at its time, as the book says now.
+        for e in events:
+            rate = rate_in_force(db, e.base_model, e.kind, e.created_at)
+            assert e.price_id == (None if rate is None else rate.id)
+            assert e.amount_micros == cost_micros(rate, e.quantity, e.cached_quantity)
+            assert e.hour == e.created_at.replace(minute=0, second=0, microsecond=0)
+        spend = {
+            (s.tenant_id, s.period_start): s.spent_micros for s in db.scalars(select(TenantSpend))
+        }
+    hours = {e.hour for e in events}
+    assert len(hours) >= 10 and len({e.price_id for e in events}) >= 4
+    assert len({e.api_key_id for e in events}) >= 4 and None in {e.session_id for e in events}
+    assert sum(e.amount_micros for e in events) == returned_total > 0
+
+    # Rollups equal the direct sums over the ledger.
+    expected = _ledger_sums(events)
+    assert _stored_rollups(rows) == expected
+
+    # Spend per period equals the ledger's amounts in the period.
+    by_period: dict[tuple[str, datetime], int] = defaultdict(int)
+    for e in events:
+        by_period[(e.tenant_id, period_start(e.hour))] += e.amount_micros
+    assert spend == {k: v for k, v in by_period.items() if v}
+    assert len({p for _, p in spend}) == 2  # March and April
+    with rows.database.reader() as db:
+        for (tenant, start), amount in by_period.items():
+            assert period_spend(db, tenant, start + timedelta(days=3)) == amount
+
+    # The readers' totals match too: per kind, per key over a window, per session.
+    since, until = min(hours) + timedelta(hours=2), max(hours)
+    with rows.database.reader() as db:
+        for tenant in tenants:
+            mine = [e for e in events if e.tenant_id == tenant]
+            per_kind = {
+                t.group["kind"]: (t.events, t.quantity, t.amount_micros)
+                for t in rollup_totals(db, tenant)
+            }
+            assert per_kind == {
+                kind: (
+                    sum(1 for e in mine if e.kind == kind),
+                    sum(e.quantity for e in mine if e.kind == kind),
+                    sum(e.amount_micros for e in mine if e.kind == kind),
+                )
+                for kind in {e.kind for e in mine}
+            }
+            windowed = rollup_totals(db, tenant, since, until, group_by=("api_key_id",))
+            assert {t.group["api_key_id"]: t.amount_micros for t in windowed} == {
+                key or NO_DIMENSION: sum(
+                    e.amount_micros
+                    for e in mine
+                    if since <= e.hour < until and (e.api_key_id or NO_DIMENSION) == (key or "")
+                )
+                for key in {e.api_key_id for e in mine if since <= e.hour < until}
+            }
+            session = next(e.session_id for e in mine if e.session_id)
+            [total] = rollup_totals(db, tenant, group_by=(), session_id=session)
+            assert total.amount_micros == sum(
+                e.amount_micros for e in mine if e.session_id == session
+            )
+
+    # A rebuild from the ledger writes the same rollups, whole or for one tenant and window.
+    with rows.database.transaction() as db:
+        recompute_rollups(db)
+    assert _stored_rollups(rows) == expected
+    with rows.database.transaction() as db:
+        db.execute(delete(UsageRollup).where(UsageRollup.tenant_id == tenants[0]))
+        recompute_rollups(db, tenant_id=tenants[0], since=since, until=until)
+    assert _stored_rollups(rows) == {
+        k: v for k, v in expected.items() if k[0] != tenants[0] or since <= k[1] < until
+    }
+
+
+def test_events_of_one_cell_add_up_in_one_upsert(rows: Rows) -> None:
+    tenant = rows.tenant()
+    hour = datetime(2026, 3, 31, 20, tzinfo=UTC)
+    event = RolledEvent(tenant, hour, None, None, "m", "storage", None, 10, 0, 3)
+    with rows.database.transaction() as db:
+        add_to_rollups(db, [event, event])
+        add_to_rollups(db, [event])
+        add_to_rollups(db, [])
+    assert _stored_rollups(rows) == {
+        (tenant, hour, NO_DIMENSION, NO_DIMENSION, "m", "storage", 0): (3, 30, 0, 9)
+    }
