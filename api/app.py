@@ -19,8 +19,11 @@ from api.openapi import install_openapi
 from api.ratelimit import TokenBuckets
 from api.routes import (
     artifacts,
+    audit,
+    billing_usage,
     checkpoints,
     client,
+    cost_estimate,
     futures,
     hub,
     models,
@@ -31,6 +34,7 @@ from api.routes import (
     usage,
     weights,
 )
+from billing import jobs as billing_jobs
 from core import sessions as session_service
 from core.clock import Clock, SystemClock
 from core.objectstore import LocalArtifactStore
@@ -77,13 +81,17 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         state.dispatcher.start()
         if isinstance(notifier, RedisNotifier):
             notifier.start_listening()
-        sweeper = asyncio.create_task(_sweep_expired_sessions(state))
+        periodic = [asyncio.create_task(_sweep_expired_sessions(state))]
+        if settings.mode is Mode.EMBEDDED:  # distributed mode: `treadle-server beat` runs them
+            periodic.append(asyncio.create_task(_run_billing_jobs(state)))
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for task in periodic:
+                task.cancel()
+            for task in periodic:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await asyncio.to_thread(state.dispatcher.stop)
             if isinstance(notifier, RedisNotifier):
                 notifier.stop()
@@ -106,6 +114,9 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         checkpoints,
         artifacts,
         usage,
+        billing_usage,
+        audit,
+        cost_estimate,
     ):
         app.include_router(module.router)
     # The last added runs first: hosts are checked before a body is read, and the size limit
@@ -132,3 +143,16 @@ async def _sweep_expired_sessions(state: AppState) -> None:
                 logger.info("expired %d idle sessions", len(expired))
         except Exception:
             logger.exception("session expiry sweep failed")
+
+
+async def _run_billing_jobs(state: AppState) -> None:
+    """Run billing's periodic jobs (storage metering first at start-up, so missed hours are
+    caught up at once); each job keeps to its own interval."""
+    while True:
+        try:
+            await asyncio.to_thread(
+                billing_jobs.run_periodic, state.database, state.settings, state.clock
+            )
+        except Exception:
+            logger.exception("billing jobs failed")
+        await asyncio.sleep(billing_jobs.tick_seconds(state.settings))

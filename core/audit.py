@@ -4,8 +4,11 @@ rolled back."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
@@ -34,3 +37,23 @@ def record(
             created_at=clock.now(),
         )
     )
+
+
+def entries(
+    db: OrmSession,
+    tenant_id: str,
+    since: datetime,
+    until: datetime,
+    *,
+    action_prefixes: Sequence[str] | None = None,
+) -> list[AuditLog]:
+    """The tenant's entries written in [since, until), oldest first; with `action_prefixes`,
+    only actions starting with one of them (an empty sequence: none)."""
+    query = select(AuditLog).where(
+        AuditLog.tenant_id == tenant_id, AuditLog.created_at >= since, AuditLog.created_at < until
+    )
+    if action_prefixes is not None:
+        if not action_prefixes:
+            return []
+        query = query.where(or_(*(AuditLog.action.startswith(p) for p in action_prefixes)))
+    return list(db.scalars(query.order_by(AuditLog.created_at, AuditLog.id)))

@@ -2,7 +2,8 @@
 
 Each job is a plain function of the database, safe to run twice or concurrently: expire silent
 sessions, declare workers with lapsed leases dead and move their work, and (re)place and wake
-whatever is queued, which also covers lost wake-up messages.
+whatever is queued, which also covers lost wake-up messages; and billing's periodic jobs
+(`billing.jobs`, each at its own interval).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 from sqlalchemy import select
 
+from billing import jobs as billing_jobs
 from core import runs, sessions
 from core.clock import Clock
 from core.db import Database
@@ -67,6 +69,7 @@ def tick(database: Database, settings: Settings, clock: Clock) -> None:
         celery = make_celery(settings)
         for worker_id in wake:
             wake_worker(celery, worker_id)
+    billing_jobs.run_periodic(database, settings, clock)
 
 
 def run_beat(settings: Settings, clock: Clock, *, interval_seconds: float = 2.0) -> None:

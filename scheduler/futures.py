@@ -14,6 +14,9 @@ from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
 from scheduler.failures import OpFailure
 from treadle.types import QueueState
 
+COST_KEY = "cost_micros"
+"""Beside the usage kinds in a result's usage: what the op cost, in micro-units."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FutureState:
@@ -23,7 +26,8 @@ class FutureState:
     failure: OpFailure | None = None
     queue_state: QueueState = "active"
     usage: dict[str, int] | None = None
-    """Of a successful result: the op's ledger quantities by kind (`{}` when it bills nothing)."""
+    """Of a successful result: the op's ledger quantities by kind and their cost in micro-units
+    under `COST_KEY` (`{}` when it bills nothing)."""
 
 
 def read_future(
@@ -50,17 +54,15 @@ def read_future(
     if status == OpStatus.DONE:
         # Read with the state, in the caller's transaction: the ledger rows are written in the
         # transaction that stores the result, so a done op's usage is complete here.
-        usage = db.execute(
-            select(UsageEvent.kind, UsageEvent.quantity).where(
+        events = db.execute(
+            select(UsageEvent.kind, UsageEvent.quantity, UsageEvent.amount_micros).where(
                 UsageEvent.operation_id == request_id
             )
         ).all()
-        return FutureState(
-            done=True,
-            result=result,
-            result_codec=codec,
-            usage={kind: int(quantity) for kind, quantity in usage},
-        )
+        usage = {kind: int(quantity) for kind, quantity, _ in events}
+        if events:
+            usage[COST_KEY] = sum(int(amount) for _, _, amount in events)
+        return FutureState(done=True, result=result, result_codec=codec, usage=usage)
     if status == OpStatus.FAILED:
         return FutureState(done=True, failure=OpFailure.stored(code, category, message))
     if placed and status == OpStatus.QUEUED:

@@ -17,11 +17,13 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParameter
+from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, ReadSession, State
 from api.openapi import error_responses
 from api.views import checkpoint_view
-from core import checkpoints, runs, signing
+from core import audit, checkpoints, runs, signing
+from core.apikeys import Principal
 from core.clock import Clock
 from core.errors import NotFound
 from core.tables import ModelPackage, ModelVersion
@@ -51,6 +53,25 @@ KindSegment = Annotated[
 CheckpointName = Annotated[
     str, PathParameter(description="The checkpoint id's second part: the name it was saved under.")
 ]
+
+
+def _audit(
+    db: OrmSession, clock: Clock, principal: Principal, version: ModelVersion, action: str
+) -> None:
+    """Log a change to the checkpoint, in the transaction that makes it."""
+    audit.record(
+        db,
+        clock,
+        tenant_id=principal.tenant_id,
+        actor=principal.key_id,
+        action=action,
+        target=version.tinker_path,
+        detail={
+            "model_id": version.training_run_id,
+            "tinker_path": version.tinker_path,
+            "version_id": version.id,
+        },
+    )
 
 
 def _listing(
@@ -110,6 +131,8 @@ def publish(
     """Make the checkpoint readable (sampling, loading, weights_info) by every tenant."""
     with state.database.transaction() as db:
         version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
+        if not version.public:
+            _audit(db, state.clock, principal, version, "checkpoint.published")
         checkpoints.set_public(version, True)
 
 
@@ -122,6 +145,8 @@ def unpublish(
     """Make the checkpoint private again; unpublishing a private one changes nothing."""
     with state.database.transaction() as db:
         version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
+        if version.public:
+            _audit(db, state.clock, principal, version, "checkpoint.unpublished")
         checkpoints.set_public(version, False)
 
 
@@ -176,6 +201,7 @@ def delete_checkpoint(
     """Retire the checkpoint (its path is free again) and remove its files."""
     with state.database.transaction() as db:
         version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
+        _audit(db, state.clock, principal, version, "checkpoint.deleted")
         uri = checkpoints.mark_deleted(version)
     # Only once the row is committed: a crash in between leaves an orphaned folder, never a
     # live checkpoint without files.

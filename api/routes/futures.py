@@ -31,7 +31,8 @@ from treadle.wire import (
 router = APIRouter(prefix="/api/v1", tags=["futures"])
 
 USAGE_HEADER = "X-Treadle-Usage"
-"""On a successful result: the op's billed quantities as compact JSON, kind -> quantity."""
+"""On a successful result: the op's billed quantities as compact JSON, kind -> quantity, and
+`cost_micros`, what they cost in micro-units (absent when the op bills nothing)."""
 
 # Between wake-ups the database is re-read at this interval, so a lost notification costs little.
 _RECHECK_SECONDS = 1.0

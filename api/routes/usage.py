@@ -10,9 +10,9 @@ from pydantic import BeforeValidator
 
 from api.deps import CurrentPrincipal, ReadSession
 from api.openapi import error_responses
-from billing.ledger import usage_by_model_and_kind
+from billing.reports import usage_totals
 from core.errors import InvalidInput
-from treadle.types import UsageLine, UsageReport
+from treadle.types import UsageLine, UsageReport, dollars
 
 router = APIRouter(prefix="/api/v1", tags=["usage"])
 
@@ -44,16 +44,29 @@ def usage(
     since: IsoTime = None,
     until: IsoTime = None,
 ) -> UsageReport:
-    """Tokens and saves per base model and kind, optionally within [since, until) (ISO times
-    with a time zone)."""
+    """Tokens, saves and storage per base model and kind with what they cost (in micro-units
+    and as a decimal string), and the total, optionally within [since, until) (ISO times with
+    a time zone)."""
     for name, moment in (("since", since), ("until", until)):
         if moment is not None and moment.tzinfo is None:
             raise InvalidInput(
                 f"{name} has no time zone; send an ISO time such as 2026-01-01T00:00:00Z"
             )
-    rows = usage_by_model_and_kind(db, principal.tenant_id, since=since, until=until)
+    rows = usage_totals(db, principal.tenant_id, since=since, until=until)
+    total = sum(row.amount_micros for row in rows)
     return UsageReport(
         since=since,
         until=until,
-        lines=[UsageLine(base_model=m, kind=k, quantity=q) for m, k, q in rows],
+        lines=[
+            UsageLine(
+                base_model=row.base_model,
+                kind=row.kind,
+                quantity=row.quantity,
+                amount_micros=row.amount_micros,
+                amount=dollars(row.amount_micros),
+            )
+            for row in rows
+        ],
+        total_micros=total,
+        total=dollars(total),
     )

@@ -5,9 +5,9 @@ which the server holds open for about 25 s per call. The server answers one of: 
 (protobuf for forward_backward and sample results, JSON otherwise), `try_again` (still
 queued or running), or `{"error", "category", "code"}` (the operation failed).
 
-A successful result carries the operation's billed quantities in the `X-Treadle-Usage`
-header; `retrieve` adds them to the `UsageTally` of the SDK call it runs under (see `tallied`),
-so a call made of several requests reports their sum.
+A successful result carries the operation's billed quantities and their cost (`cost_micros`)
+in the `X-Treadle-Usage` header; `retrieve` adds them to the `UsageTally` of the SDK call it
+runs under (see `tallied`), so a call made of several requests reports their sum.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ USAGE_HEADER = "x-treadle-usage"
 
 
 class UsageTally:
-    """The billed quantities (kind -> quantity) of the requests of one SDK call, summed.
+    """The billed quantities (kind -> quantity) and cost (`cost_micros`) of the requests of one
+    SDK call, summed.
 
     `quantities` stays None until a result with a usage header arrives.
     """

@@ -298,20 +298,25 @@ def usage(
     as_json: AsJson = False,
     plain: Plain = False,
 ) -> None:
-    """Show the tokens and saves billed to your account, per base model.
+    """Show the tokens, saves and storage billed to your account, per base model, with what
+    they cost and the total.
 
-    --plain columns: base model, kind, quantity.
+    --plain columns: base model, kind, quantity, cost (a decimal amount of the currency).
     """
     start, end = _utc(since), _utc(until)
     with _rest(base_url, api_key) as rest:
         report = rest.get_usage(since=start, until=end).result()
     title = "usage" + (f" since {start.isoformat(timespec='minutes')}" if start else "")
     title += f" until {end.isoformat(timespec='minutes')}" if end else ""
-    table = Table(title=title)
-    for column in ("base model", "kind", "quantity"):
-        table.add_column(column, overflow="fold")
-    rows = [[line.base_model, line.kind, f"{line.quantity:,}"] for line in report.lines]
-    plain_rows = [[line.base_model, line.kind, str(line.quantity)] for line in report.lines]
+    table = Table(title=title, caption=f"total cost {report.total}")
+    for column in ("base model", "kind", "quantity", "cost"):
+        table.add_column(column, overflow="fold", justify="right" if column == "cost" else "left")
+    rows = [
+        [line.base_model, line.kind, f"{line.quantity:,}", line.amount] for line in report.lines
+    ]
+    plain_rows = [
+        [line.base_model, line.kind, str(line.quantity), line.amount] for line in report.lines
+    ]
     _show(
         table,
         rows,

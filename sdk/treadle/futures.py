@@ -37,21 +37,31 @@ class APIFuture(Generic[T]):
     def usage(self) -> dict[str, int] | None:
         """The billed quantities of this request by usage kind, once its result has arrived.
 
-        The server's ledger entries for the operation, e.g. `{"training": 120}` for a
-        forward_backward, `{"sampling_prefill": 5, "sampling_sample": 32}` for a sample,
-        `{"checkpoint": 1}` for a save and `{}` for an `optim_step` (docs/protocol.md lists
-        what each call bills). For a result assembled from several requests (a batch split
-        into chunks, `forward_backward_custom`'s two passes) it is their sum.
+        The server's ledger entries for the operation and what they cost, e.g.
+        `{"training": 120, "cost_micros": 26}` for a forward_backward,
+        `{"sampling_prefill": 5, "sampling_sample": 32, "cost_micros": 7}` for a sample,
+        `{"checkpoint": 1, "cost_micros": 0}` for a save and `{}` for an `optim_step`
+        (docs/protocol.md lists what each call bills). `cost_micros` is in micro-units of the
+        currency (1e-6). For a result assembled from several requests (a batch split into
+        chunks, `forward_backward_custom`'s two passes) it is their sum.
 
         Returns:
-            A new dict of kind -> quantity; None while the result is pending, when the request
-            failed, or when the server sent no usage (a server without this feature).
+            A new dict of kind -> quantity (and `cost_micros`); None while the result is
+            pending, when the request failed, or when the server sent no usage (a server
+            without this feature).
         """
         if self._usage is None or not self._future.done() or self._future.cancelled():
             return None
         if self._future.exception() is not None:
             return None
         return self._usage()
+
+    @property
+    def cost_micros(self) -> int | None:
+        """What this request cost, in micro-units of the currency (1e-6), once its result has
+        arrived; None when `usage` is None or the server sent no cost."""
+        usage = self.usage
+        return None if usage is None else usage.get("cost_micros")
 
     @classmethod
     def completed(cls, value: T) -> APIFuture[T]:

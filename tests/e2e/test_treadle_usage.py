@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 import treadle
 from billing.tables import UsageEvent
@@ -57,6 +57,22 @@ def _ledger(server: LiveServer, tenant_id: str) -> list[tuple[str, str, int]]:
         return [(op_type, kind, int(quantity)) for op_type, kind, quantity in rows]
 
 
+def _kinds(usage: dict[str, int] | None) -> dict[str, int]:
+    """The usage's quantities by kind, without its cost."""
+    assert usage is not None and usage["cost_micros"] >= 0
+    return {kind: quantity for kind, quantity in usage.items() if kind != "cost_micros"}
+
+
+def _spent(server: LiveServer, tenant_id: str) -> int:
+    with server.database.reader() as db:
+        return int(
+            db.scalar(
+                select(func.sum(UsageEvent.amount_micros)).where(UsageEvent.tenant_id == tenant_id)
+            )
+            or 0
+        )
+
+
 def _tokens(data: list[types.Datum]) -> int:
     return sum(d.model_input.length for d in data)
 
@@ -69,16 +85,16 @@ def test_training_results_report_their_tokens(chunking_server: LiveServer, tenan
 
     single = trainer.forward_backward(pair, "cross_entropy")
     assert single.result().loss_fn_outputs
-    assert single.usage == {"training": _tokens(pair)}
+    assert _kinds(single.usage) == {"training": _tokens(pair)}
     chunked = trainer.forward_backward(batch, "cross_entropy")
     assert len(chunked.result().loss_fn_outputs) == 5
-    assert chunked.usage == {"training": _tokens(batch)}
+    assert _kinds(chunked.usage) == {"training": _tokens(batch)}
     step = trainer.optim_step(types.AdamParams(learning_rate=1e-3))
     step.result()
     assert step.usage == {}
     forward = trainer.forward(pair, "cross_entropy")
     forward.result()
-    assert forward.usage == {"training": _tokens(pair)}
+    assert _kinds(forward.usage) == {"training": _tokens(pair)}
 
     training_rows = [q for op, kind, q in _ledger(chunking_server, tenant_id) if kind == "training"]
     # One row per request: 1 + 3 chunks + 1 forward; the futures' sums are the rows' sums.
@@ -88,6 +104,12 @@ def test_training_results_report_their_tokens(chunking_server: LiveServer, tenan
     assert {(line.kind, line.quantity) for line in usage.lines} == {
         ("training", sum(training_rows))
     }
+    # What each result said it cost adds up to the ledger's amounts and the usage report's.
+    spent = _spent(chunking_server, tenant_id)
+    assert spent > 0
+    assert sum(f.cost_micros or 0 for f in (single, chunked, forward)) == spent
+    assert usage.total_micros == spent == sum(line.amount_micros for line in usage.lines)
+    assert usage.total == f"{spent // 10**6}.{spent % 10**6:06d}"
 
 
 def test_sample_reports_prefill_and_sampled_tokens(
@@ -99,10 +121,10 @@ def test_sample_reports_prefill_and_sampled_tokens(
     future = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=4))
     response = future.result()
     sampled = sum(len(s.tokens) for s in response.sequences)
-    assert future.usage == {"sampling_prefill": prompt.length, "sampling_sample": sampled}
+    assert _kinds(future.usage) == {"sampling_prefill": prompt.length, "sampling_sample": sampled}
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints([40, 41, 42]))
     assert len(logprobs.result()) == 3
-    assert logprobs.usage == {"sampling_prefill": 3, "sampling_sample": 1}
+    assert _kinds(logprobs.usage) == {"sampling_prefill": 3, "sampling_sample": 1}
 
     rows = _ledger(chunking_server, tenant_id)
     assert sorted((kind, q) for _, kind, q in rows) == sorted(
@@ -128,10 +150,10 @@ def test_custom_loss_and_checkpoint_usage(chunking_server: LiveServer, tenant: T
     custom = trainer.forward_backward_custom(data, loss)
     custom.result()
     # A forward pass, then a forward_backward of the same datums, each split in two.
-    assert custom.usage == {"training": 2 * _tokens(data)}
+    assert _kinds(custom.usage) == {"training": 2 * _tokens(data)}
     save = trainer.save_state("usage")
     save.result()
-    assert save.usage == {"checkpoint": 1}
+    assert _kinds(save.usage) == {"checkpoint": 1}
 
     rows = _ledger(chunking_server, tenant_id)
     assert sorted(q for _, kind, q in rows if kind == "training") == sorted(
@@ -160,7 +182,8 @@ def test_failed_and_pending_results_have_no_usage(
 def test_retrieve_future_header_is_compact_json(
     chunking_server: LiveServer, tenant: Tenant
 ) -> None:
-    """The raw header, as any client sees it: on results only, `{}` for an op billing nothing."""
+    """The raw header, as any client sees it: on results only, with the op's cost; `{}` for an op
+    billing nothing."""
     service, tenant_id = tenant.service, tenant.tenant_id
     trainer = service.create_lora_training_client(MODEL, rank=4, seed=4)
     pair = [sft_datum(0, length=6), sft_datum(1, length=7)]
@@ -172,10 +195,15 @@ def test_retrieve_future_header_is_compact_json(
                 select(Operation.kind, Operation.id).where(Operation.tenant_id == tenant_id)
             ).all()
         )
+        cost = db.scalar(
+            select(UsageEvent.amount_micros).where(
+                UsageEvent.operation_id == ops["forward_backward"]
+            )
+        )
     headers = {"X-API-Key": tenant.key}
     with httpx.Client(base_url=chunking_server.base_url, headers=headers, timeout=60) as http:
         for op_type, expected in (
-            ("forward_backward", f'{{"training":{_tokens(pair)}}}'),
+            ("forward_backward", f'{{"cost_micros":{cost},"training":{_tokens(pair)}}}'),
             ("optim_step", "{}"),
         ):
             response = http.post("/api/v1/retrieve_future", json={"request_id": ops[op_type]})
