@@ -18,6 +18,7 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
+from core import audit
 from core.clock import Clock
 from core.errors import AuthenticationFailed, InvalidInput, NotFound, PermissionDenied
 from core.tables import ApiKey, Tenant
@@ -52,9 +53,17 @@ def _hash_secret(server_secret: bytes, secret: str) -> str:
 
 
 def issue_api_key(
-    db: OrmSession, clock: Clock, server_secret: bytes, tenant: Tenant, *, name: str, scope: str
+    db: OrmSession,
+    clock: Clock,
+    server_secret: bytes,
+    tenant: Tenant,
+    *,
+    name: str,
+    scope: str,
+    actor: str = "operator",
 ) -> tuple[ApiKey, str]:
-    """Create a key and return it with its plain text, which is never stored or shown again."""
+    """Create a key and return it with its plain text, which is never stored or shown again.
+    The audit log records `actor` (an API key id, or "operator") as its creator."""
     if scope not in SCOPES:
         raise InvalidInput(f"scope {scope!r} is unknown; use one of {', '.join(SCOPES)}")
     key_id = secrets.token_hex(6)
@@ -69,6 +78,15 @@ def issue_api_key(
     )
     db.add(row)
     db.flush()
+    audit.record(
+        db,
+        clock,
+        tenant_id=tenant.id,
+        actor=actor,
+        action="api_key.created",
+        target=key_id,
+        detail={"name": row.name, "scope": scope},
+    )
     return row, f"{KEY_PREFIX}{key_id}-{secret}"
 
 
@@ -129,7 +147,8 @@ def touch(db: OrmSession, clock: Clock, key_id: str) -> None:
         row.last_used_at = clock.now()
 
 
-def revoke_api_key(db: OrmSession, clock: Clock, key_id: str) -> ApiKey:
+def revoke_api_key(db: OrmSession, clock: Clock, key_id: str, *, actor: str = "operator") -> ApiKey:
+    """Revoke the key (revoking a revoked key changes nothing and is not logged again)."""
     row = db.get(ApiKey, key_id)
     if row is None:
         raise NotFound(
@@ -137,6 +156,15 @@ def revoke_api_key(db: OrmSession, clock: Clock, key_id: str) -> ApiKey:
         )
     if row.revoked_at is None:
         row.revoked_at = clock.now()
+        audit.record(
+            db,
+            clock,
+            tenant_id=row.tenant_id,
+            actor=actor,
+            action="api_key.revoked",
+            target=key_id,
+            detail={"name": row.name},
+        )
     return row
 
 
