@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from core import audit
-from core.clock import Clock
+from core.clock import Clock, SystemClock
 from core.errors import InvalidInput, NotFound
 from core.ids import new_tenant_id
 from core.tables import Tenant
@@ -120,6 +120,8 @@ def update_tenant_limits(
     db: OrmSession,
     tenant: Tenant,
     *,
+    clock: Clock | None = None,
+    actor: str = "operator",
     max_concurrent_sessions: int | None = None,
     max_lora_rank: int | None = None,
     spend_limit_micros: int | None = None,
@@ -127,7 +129,9 @@ def update_tenant_limits(
     limits: Mapping[str, int | None] | None = None,
 ) -> Tenant:
     """Change the limits given; `limits` maps resource limit names to a value, or to None to
-    follow the server's default again."""
+    follow the server's default again. A change is written to the audit log (as
+    "tenant.limit_changed", with each changed limit's old and new value) by `actor`."""
+    before = _limit_values(tenant)
     new_sessions = (
         tenant.max_concurrent_sessions
         if max_concurrent_sessions is None
@@ -144,8 +148,34 @@ def update_tenant_limits(
     tenant.max_concurrent_sessions = new_sessions
     tenant.max_lora_rank = new_rank
     tenant.spend_limit_micros = new_spend
+    after = _limit_values(tenant)
+    changed = {
+        name: {"from": before[name], "to": after[name]}
+        for name in after
+        if before[name] != after[name]
+    }
+    if changed:
+        audit.record(
+            db,
+            clock or SystemClock(),
+            tenant_id=tenant.id,
+            actor=actor,
+            action="tenant.limit_changed",
+            target=tenant.id,
+            detail=changed,
+        )
     db.flush()
     return tenant
+
+
+def _limit_values(tenant: Tenant) -> dict[str, int | None]:
+    return {
+        "max_concurrent_sessions": tenant.max_concurrent_sessions,
+        "max_lora_rank": tenant.max_lora_rank,
+        "spend_limit_micros": tenant.spend_limit_micros,
+        "session_spend_limit_micros": tenant.session_spend_limit_micros,
+        **{name: getattr(tenant, name) for name in RESOURCE_LIMIT_NAMES},
+    }
 
 
 def link_stripe_customer(
