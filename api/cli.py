@@ -379,6 +379,7 @@ def tenants_update(
             tenant = tenants.update_tenant_limits(
                 db,
                 tenants.find_tenant(db, name),
+                clock=SystemClock(),
                 max_concurrent_sessions=max_sessions,
                 max_lora_rank=max_lora_rank,
                 spend_limit_micros=None if spend_limit is None else round(spend_limit * 1_000_000),
