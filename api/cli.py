@@ -10,6 +10,7 @@ import errno
 import logging
 import shlex
 import socket
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -31,9 +32,11 @@ app = typer.Typer(
 admin = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
 tenants_cli = typer.Typer(help="Create, list and change tenants.", no_args_is_help=True)
 keys_cli = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+billing_cli = typer.Typer(help="Stripe metering: push usage, reconcile.", no_args_is_help=True)
 app.add_typer(admin, name="admin")
 admin.add_typer(tenants_cli, name="tenants")
 admin.add_typer(keys_cli, name="keys")
+admin.add_typer(billing_cli, name="billing")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -480,6 +483,134 @@ def keys_revoke(key_id: str) -> None:
     except TreadleError as exc:
         raise _fail(exc.message) from exc
     console.print(f"revoked key [bold]{key_id}[/]")
+
+
+@tenants_cli.command("link-stripe")
+def tenants_link_stripe(
+    tenant: str,
+    customer: Annotated[str, typer.Argument(help="The Stripe customer id (cus_...).")],
+) -> None:
+    """Bill a tenant's usage to a Stripe customer (Billing meters, pushed hourly)."""
+    try:
+        with _database(Settings()).transaction() as db:
+            row = tenants.link_stripe_customer(
+                db, SystemClock(), tenants.find_tenant(db, tenant), customer, actor="operator"
+            )
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    console.print(f"tenant [bold]{row.name}[/] is billed to Stripe customer [bold]{customer}[/]")
+
+
+def _stripe_settings() -> Settings:
+    settings = Settings()
+    if settings.stripe_api_key is None:
+        raise _fail(
+            "TREADLE_STRIPE_API_KEY is not set: set it to a Stripe secret or restricted key "
+            "with Billing meter access"
+        )
+    return settings
+
+
+@billing_cli.command("push")
+def billing_push() -> None:
+    """Push every settled hour's unpushed usage to Stripe now."""
+    from billing.stripe_push import push_from_settings
+
+    settings = _stripe_settings()
+    _logging()
+    try:
+        report = push_from_settings(_database(settings), settings, SystemClock())
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    assert report is not None  # a key is set
+    if not report.ran:
+        raise _fail("another Stripe push is running on this database; try again when it ends")
+    console.print(
+        f"pushed {report.pushed} meter events ({report.value_micros / 1e6:.6f} in money), "
+        f"{report.repeats} of them already held by Stripe"
+    )
+    if report.too_old:
+        err_console.print(
+            f"[yellow]{len(report.too_old)} hours with usage are past Stripe's 35-day limit "
+            "and were not pushed[/]"
+        )
+
+
+def _period_bound(text: str, option: str) -> datetime:
+    """An ISO date or time; UTC when it names no zone."""
+    try:
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise _fail(
+            f"{option} {text[:40]!r} is not an ISO 8601 date or time; write e.g. 2027-01-01"
+        ) from None
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
+
+
+@billing_cli.command("reconcile")
+def billing_reconcile(
+    since: Annotated[
+        str | None, typer.Option(help="Start (ISO, UTC); default: this month's first day.")
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option(help="End, exclusive (ISO, UTC); default: the last settled hour.")
+    ] = None,
+) -> None:
+    """Compare Stripe's meter totals with the ledger per tenant and usage kind; exits with 1
+    when any differ."""
+    from billing.stripe_push import gateway_from_settings
+    from billing.stripe_reconcile import reconcile
+
+    settings = _stripe_settings()
+    gateway = gateway_from_settings(settings)
+    assert gateway is not None
+    clock = SystemClock()
+    start = (
+        _period_bound(since, "--since")
+        if since
+        else clock.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    )
+    end = _period_bound(until, "--until") if until else None
+    _logging()
+    try:
+        result = reconcile(
+            _database(settings),
+            gateway,
+            clock,
+            since=start,
+            until=end,
+            meter_prefix=settings.stripe_meter_prefix,
+            settle_seconds=settings.stripe_settle_seconds,
+        )
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    table = Table(
+        "tenant",
+        "meter",
+        "stripe",
+        "ledger",
+        "recorded as pushed",
+        "difference",
+        "",
+        title=f"{result.since.isoformat()} .. {result.until.isoformat()} (micro-units)",
+    )
+    for b in result.balances:
+        table.add_row(
+            b.tenant_name,
+            b.event_name,
+            f"{b.stripe_micros:,}",
+            f"{b.ledger_micros:,}",
+            f"{b.recorded_micros:,}",
+            f"{b.stripe_micros - b.ledger_micros:+,}",
+            ("[red]differs[/]" if b.meter_found else "[red]no meter in Stripe[/]")
+            if b.differs
+            else "",
+        )
+    _print_table(table)
+    if result.differences:
+        err_console.print(f"[bold red]{len(result.differences)} meters differ from the ledger[/]")
+        raise typer.Exit(code=1)
+    console.print("Stripe matches the ledger")
 
 
 def main() -> None:

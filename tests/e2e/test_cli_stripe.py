@@ -1,0 +1,86 @@
+"""`treadle-server admin tenants link-stripe` and `admin billing push|reconcile` as an operator
+runs them, against a fake Stripe on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from core import tenants
+from core.tables import AuditLog
+from tests.fakes import stripe_server
+from tests.fakes.stripe_server import FakeStripe
+from tests.integration.stripe_helpers import Ledger, hour_of
+
+pytestmark = pytest.mark.e2e
+
+CLI = str(Path(sys.executable).with_name("treadle-server"))
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeStripe]:
+    with stripe_server.running() as fake:
+        fake.add_meter("treadle_training")
+        fake.add_meter("treadle_sampling_sample")
+        yield fake
+
+
+def _run(tmp_path: Path, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
+    env.update(TREADLE_DATA_DIR=str(tmp_path / "data"), COLUMNS="200", **extra)
+    return subprocess.run(
+        [CLI, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_link_push_and_reconcile(tmp_path: Path, fake: FakeStripe) -> None:
+    stripe = {"TREADLE_STRIPE_API_KEY": stripe_server.API_KEY, "TREADLE_STRIPE_API_BASE": fake.url}
+    assert _run(tmp_path, "migrate").returncode == 0
+    assert _run(tmp_path, "admin", "tenants", "create", "acme").returncode == 0
+
+    refused = _run(tmp_path, "admin", "tenants", "link-stripe", "acme", "acme@example.com")
+    assert refused.returncode == 2
+    assert "not a Stripe customer id" in refused.stderr
+    linked = _run(tmp_path, "admin", "tenants", "link-stripe", "acme", "cus_Acme")
+    assert linked.returncode == 0, linked.stderr
+    assert "cus_Acme" in linked.stdout
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'data' / 'treadle.db'}")
+    with ledger.database.reader() as db:
+        acme = tenants.find_tenant(db, "acme")
+        assert acme.stripe_customer_id == "cus_Acme"
+        audit = db.scalars(select(AuditLog).where(AuditLog.tenant_id == acme.id)).all()
+        assert [(a.action, a.actor, a.target) for a in audit] == [
+            ("tenant.stripe_linked", "operator", "cus_Acme")
+        ]
+    # Settled hours, whatever the wall clock says now.
+    hour = hour_of(datetime.now(UTC)) - timedelta(hours=2)
+    ledger.usage(acme.id, "training", hour, 2_500_000)
+    ledger.usage(acme.id, "sampling_sample", hour - timedelta(hours=1), 125)
+
+    no_key = _run(tmp_path, "admin", "billing", "push")
+    assert no_key.returncode == 2
+    assert "TREADLE_STRIPE_API_KEY" in no_key.stderr
+    pushed = _run(tmp_path, "admin", "billing", "push", **stripe)
+    assert pushed.returncode == 0, pushed.stderr
+    assert "pushed 2 meter events" in pushed.stdout
+    assert fake.total("treadle_training", "cus_Acme") == 2_500_000
+    assert "pushed 0 meter events" in _run(tmp_path, "admin", "billing", "push", **stripe).stdout
+
+    since = (hour - timedelta(days=1)).date().isoformat()
+    matching = _run(tmp_path, "admin", "billing", "reconcile", "--since", since, **stripe)
+    assert matching.returncode == 0, matching.stdout + matching.stderr
+    assert "Stripe matches the ledger" in matching.stdout
+
+    fake.add_event("treadle_training", "cus_Acme", 1_000, hour)
+    differing = _run(tmp_path, "admin", "billing", "reconcile", "--since", since, **stripe)
+    assert differing.returncode == 1
+    assert "differs" in differing.stdout
+    assert "+1,000" in differing.stdout
