@@ -23,6 +23,7 @@ from api.routes import (
     billing_usage,
     checkpoints,
     client,
+    cost_estimate,
     futures,
     hub,
     models,
@@ -115,6 +116,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         usage,
         billing_usage,
         audit,
+        cost_estimate,
     ):
         app.include_router(module.router)
     # The last added runs first: hosts are checked before a body is read, and the size limit

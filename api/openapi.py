@@ -18,6 +18,8 @@ from core.errors import ErrorCode
 
 _DESCRIPTIONS = {
     401: "The API key is missing, malformed, unknown or revoked.",
+    402: "The tenant's or the session's spend limit is reached (code `spend_limit_reached`); "
+    "the tinker SDK waits until the operator raises it.",
     403: "The key may not do this: its tenant is disabled, a limit of the tenant is reached, or "
     "(downloads) the signed link is invalid or expired.",
     404: "Not found: a missing id and another tenant's id look alike.",
@@ -72,7 +74,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 # Every route that submits an operation: its session or run may be unknown (404), the tenant may
 # be at one of its limits (403, 429), and the body too large or invalid (413, 422).
-OP_ERRORS = error_responses(401, 403, 404, 413, 422, 429)
+OP_ERRORS = error_responses(401, 402, 403, 404, 413, 422, 429)
 
 
 # A route answering with a stored file (FileResponse), whose media type follows the file's name.

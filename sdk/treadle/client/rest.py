@@ -22,6 +22,8 @@ from treadle.futures import APIFuture
 from treadle.types import (
     CheckpointPath,
     CheckpointsListResponse,
+    CostEstimateRequest,
+    CostEstimateResponse,
     ExternalWeightsUrlsResponse,
     FinishSessionResponse,
     ListSessionsResponse,
@@ -182,6 +184,38 @@ class RestClient:
             k: v.isoformat() for k, v in (("since", since), ("until", until)) if v is not None
         }
         return await self._conn.call(self._get("/api/v1/usage", UsageReport, **params))
+
+    def estimate_cost(
+        self, base_model: str, usage: dict[str, int], cached_prefill_tokens: int = 0
+    ) -> APIFuture[CostEstimateResponse]:
+        """What some work would cost at the prices in force now, per usage kind and in total.
+
+        Args:
+            base_model: the base model the work runs on.
+            usage: quantities by usage kind: `training`, `sampling_prefill` and
+                `sampling_sample` tokens, `checkpoint` saves, `storage` byte-hours.
+            cached_prefill_tokens: how many of the `sampling_prefill` tokens hit the prefix
+                cache (priced at the cached rate).
+
+        Raises:
+            BadRequestError: an unknown kind or base model, or a negative quantity.
+        """
+        return self._future(self.estimate_cost_async(base_model, usage, cached_prefill_tokens))
+
+    async def estimate_cost_async(
+        self, base_model: str, usage: dict[str, int], cached_prefill_tokens: int = 0
+    ) -> CostEstimateResponse:
+        request = CostEstimateRequest(
+            base_model=base_model, usage=usage, cached_prefill_tokens=cached_prefill_tokens
+        )
+
+        async def post() -> CostEstimateResponse:
+            response = await self._conn.http.request(
+                "POST", "/api/v1/billing/estimate", json=request.model_dump(mode="json")
+            )
+            return CostEstimateResponse.model_validate(response.json())
+
+        return await self._conn.call(post())
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -39,6 +39,11 @@ from treadle.types.checkpoints import (
     WeightsInfoRequest,
     WeightsInfoResponse,
 )
+from treadle.types.cost_estimate import (
+    CostEstimateLine,
+    CostEstimateRequest,
+    CostEstimateResponse,
+)
 from treadle.types.custom_loss import (
     CreateCustomLossRequest,
     CreateCustomLossResponse,
@@ -228,6 +233,9 @@ __all__ = [
     "CompleteMetadataResponse",
     "CopyWeightsRequest",
     "CopyWeightsResponse",
+    "CostEstimateLine",
+    "CostEstimateRequest",
+    "CostEstimateResponse",
     "CreateCustomLossRequest",
     "CreateCustomLossResponse",
     "CreateModelRequest",
