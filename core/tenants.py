@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -228,4 +229,52 @@ def lock_tenant(db: OrmSession, tenant_id: str) -> Tenant:
     tenant = db.scalar(locked.execution_options(populate_existing=True))
     if tenant is None:
         raise NotFound("tenant not found")
+    return tenant
+
+
+class Keep(enum.Enum):
+    """`set_spend_limits`: leave this limit as it is."""
+
+    KEEP = "keep"
+
+
+def set_spend_limits(
+    db: OrmSession,
+    clock: Clock,
+    tenant: Tenant,
+    *,
+    monthly_micros: int | Keep | None = Keep.KEEP,
+    per_session_micros: int | Keep | None = Keep.KEEP,
+    actor: str = "operator",
+) -> Tenant:
+    """Set the tenant's spend limits, in micro-units: per billing period (`monthly_micros`) and
+    per session (`per_session_micros`); None removes a limit, `Keep.KEEP` keeps it. The change
+    is written to the audit log as "tenant.limit_changed" with each limit's old and new value.
+    New limits apply to the next submission; work already accepted finishes."""
+    changes = {
+        "spend_limit_micros": monthly_micros,
+        "session_spend_limit_micros": per_session_micros,
+    }
+    detail: dict[str, object] = {}
+    for name, value in changes.items():
+        if isinstance(value, Keep):
+            continue
+        if value is not None and value < 0:
+            option = "--monthly" if name == "spend_limit_micros" else "--per-session"
+            raise InvalidInput(f"{option} is negative; pass 0 or more dollars, or no limit")
+        old = getattr(tenant, name)
+        if old != value:
+            detail[name] = {"from": old, "to": value}
+            setattr(tenant, name, value)
+    if detail:
+        audit.record(
+            db,
+            clock,
+            tenant_id=tenant.id,
+            actor=actor,
+            action="tenant.limit_changed",
+            target=tenant.id,
+            detail=detail,
+        )
+    db.flush()
     return tenant
