@@ -392,3 +392,9 @@ def start_push(database: Database, settings: Settings, clock: Clock) -> threadin
         _pusher_threads[database.url] = thread
         thread.start()
         return thread
+
+
+def running_push(database: Database) -> threading.Thread | None:
+    """The thread of this process's latest push started by `start_push`, if any."""
+    with _local_locks_guard:
+        return _pusher_threads.get(database.url)

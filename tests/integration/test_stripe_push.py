@@ -7,14 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 from sqlalchemy import select
 
+from billing import jobs
 from billing.stripe_gateway import RetryPolicy, StripeGateway, StripeUnavailable
-from billing.stripe_push import PendingPush, PushReport, push_usage
+from billing.stripe_push import PendingPush, PushReport, push_usage, running_push
 from billing.stripe_reconcile import reconcile
 from billing.tables import StripeMeterPush
+from core.settings import Settings
 from tests.fakes import stripe_server
 from tests.fakes.stripe_server import FakeStripe
 from tests.integration.stripe_helpers import Ledger, hour_of
@@ -262,3 +266,22 @@ def test_an_event_stripe_refuses_is_reported_and_the_rest_still_go(
     assert [(b.kind, b.meter_found, b.ledger_micros) for b in result.differences] == [
         ("checkpoint", False, 3_000)
     ]
+
+
+def test_the_periodic_jobs_push_in_the_background_once_a_key_is_set(
+    ledger: Ledger, fake: FakeStripe, tmp_path: Path
+) -> None:
+    acme = ledger.tenant("cus_Acme")
+    ledger.usage(acme, "training", hour_of(ledger.clock.now()) - timedelta(hours=2), 64)
+    keyless = Settings(data_dir=tmp_path, database_url=ledger.database.url)
+    jobs.run_periodic(ledger.database, keyless, ledger.clock)
+    assert running_push(ledger.database) is None
+
+    configured = keyless.model_copy(
+        update={"stripe_api_key": SecretStr(stripe_server.API_KEY), "stripe_api_base": fake.url}
+    )
+    jobs.run_periodic(ledger.database, configured, ledger.clock)
+    thread = running_push(ledger.database)
+    assert thread is not None
+    thread.join(timeout=60)
+    assert fake.total("treadle_training", "cus_Acme") == 64
