@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from sqlalchemy import select
 
 from billing.ledger import UsageLine, record_usage, usage_by_model_and_kind
-from billing.tables import UsageEvent
+from billing.prices import cost_micros, rate_in_force
+from billing.spend import period_spend
+from billing.tables import UsageEvent, UsageRollup
+from tests.embedded_app import datum, embedded_app
 from tests.scheduling import MODEL, Rows, migrated
 
 pytestmark = pytest.mark.integration
@@ -91,3 +96,28 @@ def test_an_unknown_kind_is_refused_and_nothing_is_written(rows: Rows) -> None:
     with pytest.raises(ValueError, match="unknown usage kind 'gpu_hours'"):
         _record(rows, tenant, op, [UsageLine("training", 1), UsageLine("gpu_hours", 1)])
     assert _events(rows) == []
+
+
+def test_an_op_through_the_api_is_priced_and_counted_as_its_key_and_session(
+    tmp_path: Path, database_url: str
+) -> None:
+    with embedded_app(tmp_path, database_url) as app:
+        headers = app.tenant()
+        key_id = headers["X-API-Key"].split("-")[1]
+        run = app.run(headers)
+        datum_ = datum([5, 6, 7, 8, 9])
+        body = {"model_id": run, "seq_id": 1, "data": [datum_], "loss_fn": "cross_entropy"}
+        app.op(headers, "forward_backward", body)
+        with app.database.reader() as db:
+            [event] = db.scalars(select(UsageEvent)).all()
+            rate = rate_in_force(db, MODEL, "training", event.created_at)
+            rollups = db.scalars(select(UsageRollup)).all()
+            spent = period_spend(db, event.tenant_id, event.created_at)
+    assert rate is not None and rate.base_model == "*"  # the default version
+    assert (event.kind, event.quantity, event.api_key_id) == ("training", 4, key_id)
+    assert (event.price_id, event.amount_micros) == (rate.id, cost_micros(rate, 4))
+    assert [
+        (r.api_key_id, r.session_id, r.kind, r.price_id, r.events, r.quantity, r.amount_micros)
+        for r in rollups
+    ] == [(key_id, event.session_id, "training", rate.id, 1, 4, event.amount_micros)]
+    assert spent == event.amount_micros
