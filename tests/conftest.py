@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 from api import dbschema
 from core.db import Database
 from tests import services
+from tests.server import AppFactory, build_app
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +55,11 @@ def migrated(database_url: str) -> Database:
     database = Database(database_url)
     dbschema.upgrade(database)
     return database
+
+
+@pytest.fixture
+def app_factory(tmp_path: Path) -> AppFactory:
+    """`app_factory(database_url=None, *, clock=None, **settings)`: a Treadle app on a migrated
+    database, its data under this test's `tmp_path` (its SQLite file too, unless a URL is
+    given). Enter `TestClient(app)` or `running_server(app)` to start it."""
+    return functools.partial(build_app, tmp_path)

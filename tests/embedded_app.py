@@ -15,15 +15,14 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.dbschema import upgrade
 from api.deps import AppState
 from core.db import Database
 from core.settings import Settings
 from core.tables import TrainingRun
 from scheduler.ops import OpKind, encode_proto_payload
 from scheduler.submit import submit_training_op
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
+from tests.server import build_app
 
 MODEL = "treadle/tiny-1m"
 
@@ -133,9 +132,6 @@ def embedded_app(
     With `raise_server_exceptions=False` a fault in a route answers 500 as in production,
     instead of raising in the test.
     """
-    url = database_url or f"sqlite:///{tmp_path / 'treadle.db'}"
-    upgrade(Database(url))
-    settings = make_settings(tmp_path, url, **overrides)
-    app = create_app(settings)
+    app = build_app(tmp_path, database_url, **overrides)
     with TestClient(app, raise_server_exceptions=raise_server_exceptions) as client:
-        yield EmbeddedApp(client, settings)
+        yield EmbeddedApp(client, app.state.treadle.settings)

@@ -27,6 +27,7 @@ from scheduler import workers
 from scheduler.notify import InProcessNotifier
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload
 from scheduler.submit import Submitted, submit, submit_training_op
+from tests.builders import make_settings
 from treadle.types import Datum, ForwardBackwardRequest, ModelInput, TensorData
 from treadle.wire import encode_forward_backward_request
 
@@ -257,6 +258,13 @@ class Rows:
             run = db.get(TrainingRun, run_id)
             assert run is not None
             return run
+
+
+def cpu_engine(root: Path) -> Engine:
+    """The engine a worker builds from its settings (`build_engine`), on the CPU."""
+    from scheduler.worker.host import build_engine
+
+    return build_engine(make_settings(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
 
 
 def worker_host(

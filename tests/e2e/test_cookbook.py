@@ -31,13 +31,11 @@ pytest.importorskip("tinker_cookbook")
 
 from sqlalchemy import select
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core.db import Database
 from core.tables import ModelVersion, Operation, SamplingSession, TrainingRun
 from scheduler.ops import OpKind, decode_json_payload
-from tests.builders import make_settings, tenant_factory
-from tests.server import running_server
+from tests.builders import tenant_factory
+from tests.server import build_app, running_server
 from treadle.wire import decode_forward_backward_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -61,14 +59,11 @@ class CookbookServer:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CookbookServer]:
     root = tmp_path_factory.mktemp("cookbook")
-    database_url = f"sqlite:///{root / 'treadle.db'}"
-    upgrade(Database(database_url))
     tokenizer_dir = root / "tiny-1m-tokenizer"
-    settings = make_settings(root, database_url, model_aliases={str(tokenizer_dir): SERVED_MODEL})
-    app = create_app(settings)
+    app = build_app(root, model_aliases={str(tokenizer_dir): SERVED_MODEL})
     database = app.state.treadle.database
     with running_server(app) as base_url:
-        key = tenant_factory(database, settings)().key
+        key = tenant_factory(database, app.state.treadle.settings)().key
         _fetch_tokenizer(base_url, key, tokenizer_dir)
         home = root / "home"
         home.mkdir()

@@ -18,15 +18,13 @@ from sqlalchemy import select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tinker import types
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core import tenants
 from core.db import Database
 from core.tables import Operation, Tenant
 from scheduler.worker.embedded import EmbeddedDispatcher
 from scheduler.worker.host import WorkerHost, build_engine
-from tests.builders import TenantFactory, make_settings, tenant_factory
-from tests.server import running_server
+from tests.builders import TenantFactory, tenant_factory
+from tests.server import build_app, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -91,12 +89,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    root = tmp_path_factory.mktemp("limits")
-    url = f"sqlite:///{root / 'treadle.db'}"
-    upgrade(Database(url))
-    settings = make_settings(root, url)
-    app = create_app(settings)
+    app = build_app(tmp_path_factory.mktemp("limits"))
     state = app.state.treadle
+    settings = state.settings
     gate = Gate()
 
     def gated_host() -> GatedHost:

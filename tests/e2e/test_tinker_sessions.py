@@ -10,29 +10,25 @@ import pytest
 import tinker
 from sqlalchemy import select
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core.apikeys import revoke_api_key
 from core.clock import SystemClock
 from core.db import Database
 from core.tables import Session
-from tests.builders import TenantFactory, make_settings, tenant_factory
-from tests.server import running_server
+from tests.builders import TenantFactory, tenant_factory
+from tests.server import AppFactory, running_server
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def server(
-    tmp_path: Path, sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, app_factory: AppFactory, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[str, Database, TenantFactory]]:
     monkeypatch.setenv("HOME", str(tmp_path))  # no stored tinker credentials
-    upgrade(Database(sqlite_url))
-    settings = make_settings(tmp_path, sqlite_url)
-    app = create_app(settings)
-    database = app.state.treadle.database
+    app = app_factory()
+    state = app.state.treadle
     with running_server(app) as base_url:
-        yield base_url, database, tenant_factory(database, settings)
+        yield base_url, state.database, tenant_factory(state.database, state.settings)
 
 
 def _session(database: Database, session_id: str) -> Session:

@@ -28,15 +28,13 @@ from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 import treadle
-from api.app import create_app
-from api.dbschema import upgrade
 from core.db import Database
 from core.settings import Settings
 from core.tables import Operation
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
 from tests.e2e.treadle_data import MODEL, sft_datum
 from tests.sdk_client._worker import sample_tokens
-from tests.server import LiveServer
+from tests.server import LiveServer, build_app
 from tests.services import free_port
 from treadle import cli, types
 
@@ -404,8 +402,7 @@ def test_readme_examples_run_as_printed(
 @contextlib.contextmanager
 def serving(root: Path, port: int) -> Iterator[FastAPI]:
     """An embedded server on a fixed port, so a restarted one answers at the same address."""
-    url = f"sqlite:///{root / 'treadle.db'}"
-    app = create_app(make_settings(root, url))
+    app = build_app(root)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1
     )
@@ -428,7 +425,6 @@ def test_server_restart_mid_loop_is_survived(tmp_path: Path) -> None:
     """Ops in flight when the server stops run once, after it comes back; the loop goes on."""
     root, port = tmp_path / "server", free_port()
     root.mkdir()
-    upgrade(Database(f"sqlite:///{root / 'treadle.db'}"))
     batch = [sft_datum(i) for i in range(2)]
     retry = treadle.RetryPolicy(initial_backoff_seconds=0.2, max_backoff_seconds=1.0)
     with serving(root, port) as app:

@@ -4,20 +4,18 @@ runs, so the download URLs built from the `Host` header only ever name listed ho
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core import checkpoints, runs, sessions
 from core.clock import FakeClock
 from core.db import Database
 from core.settings import Settings
 from core.tables import Session as SessionRow
-from tests.builders import TenantKey, make_settings, tenant_factory
+from tests.builders import TenantKey, tenant_factory
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
@@ -30,16 +28,14 @@ def test_the_setting_reads_a_comma_separated_list(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.fixture
-def served(tmp_path: Path, database_url: str) -> Iterator[tuple[TestClient, TenantKey, str]]:
-    settings = make_settings(
-        tmp_path, database_url, allowed_hosts=["API.example.com", "*.internal"]
-    )
-    upgrade(Database(database_url))
+def served(
+    app_factory: AppFactory, database_url: str
+) -> Iterator[tuple[TestClient, TenantKey, str]]:
     clock = FakeClock()
-    app = create_app(settings, clock=clock)
+    app = app_factory(database_url, clock=clock, allowed_hosts=["API.example.com", "*.internal"])
     with TestClient(app, base_url="http://api.example.com") as client:
         state = app.state.treadle
-        tenant = tenant_factory(state.database, settings, clock)()
+        tenant = tenant_factory(state.database, state.settings, clock)()
         with state.database.transaction() as db:
             session = sessions.create_session(
                 db, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6

@@ -21,8 +21,6 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.app import create_app
-from api.dbschema import upgrade
 from api.jsonbody import MAX_JSON_DEPTH
 from billing.tables import UsageEvent
 from core import runs, sessions
@@ -33,7 +31,8 @@ from core.tables import Session as SessionRow
 from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import refusal_of
 from tests import services
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
+from tests.server import build_app
 from treadle.types.bounds import MAX_SEQ_ID
 
 pytestmark = pytest.mark.integration
@@ -95,14 +94,12 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     else:
         database = services.throwaway_database(request.getfixturevalue("postgres_admin_url"))
     with database as url:
-        # Runs made here never get their creation op: keep the engine from giving up on it.
-        settings = make_settings(root, url, gap_timeout_seconds=3600.0)
-        upgrade(Database(url))
         clock = FakeClock()
-        app = create_app(settings, clock=clock)
+        # Runs made here never get their creation op: keep the engine from giving up on it.
+        app = build_app(root, url, clock=clock, gap_timeout_seconds=3600.0)
         with TestClient(app) as client:
             state = app.state.treadle
-            tenant = tenant_factory(state.database, settings, clock)()
+            tenant = tenant_factory(state.database, state.settings, clock)()
             with state.database.transaction() as db:
                 session = sessions.create_session(
                     db, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6

@@ -3,32 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.dbschema import upgrade
-from core.db import Database
-from tests.builders import TenantFactory, make_settings, tenant_factory
+from tests.builders import TenantFactory, tenant_factory
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def env(tmp_path: Path, sqlite_url: str) -> Iterator[tuple[TestClient, TenantFactory]]:
-    settings = make_settings(
-        tmp_path,
-        sqlite_url,
+def env(app_factory: AppFactory) -> Iterator[tuple[TestClient, TenantFactory]]:
+    app = app_factory(
         max_request_bytes=4096,
         telemetry_per_minute=4,
         models=["treadle/tiny-1m", "Qwen/Qwen3-8B"],
     )
-    upgrade(Database(sqlite_url))
-    app = create_app(settings)
+    state = app.state.treadle
     with TestClient(app) as client:
-        yield client, tenant_factory(app.state.treadle.database, settings)
+        yield client, tenant_factory(state.database, state.settings)
 
 
 def test_client_config_and_health(env: tuple[TestClient, TenantFactory]) -> None:

@@ -32,14 +32,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from api.app import create_app
-from api.dbschema import upgrade
 from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
 from core.signing import sign_download
 from core.tables import ModelVersion, Operation, SamplingSession, Session, TrainingRun
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
+from tests.server import build_app
 from tests.services import throwaway_database
 
 pytestmark = pytest.mark.integration
@@ -310,10 +309,7 @@ def _operations(doc: dict[str, Any]) -> list[DocumentedRoute]:
 
 @pytest.fixture(scope="module")
 def document(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("doc")
-    url = f"sqlite:///{root / 'treadle.db'}"
-    upgrade(Database(url))
-    doc: dict[str, Any] = create_app(make_settings(root, url)).openapi()
+    doc: dict[str, Any] = build_app(tmp_path_factory.mktemp("doc")).openapi()
     return doc
 
 
@@ -521,15 +517,15 @@ def world(
 ) -> Iterator[World]:
     root = tmp_path_factory.mktemp(f"matrix-{request.param}")
     with (
-        throwaway_database(request.getfixturevalue("postgres_admin_url"))
-        if request.param == "postgres"
-        else _sqlite(root)
-    ) as url:
-        upgrade(Database(url))
-        settings = make_settings(root, url)
-        with TestClient(create_app(settings)) as client:
-            state = client.app.state.treadle  # type: ignore[attr-defined]
-            yield _make_world(client, state.database, settings)
+        (
+            throwaway_database(request.getfixturevalue("postgres_admin_url"))
+            if request.param == "postgres"
+            else _sqlite(root)
+        ) as url,
+        TestClient(build_app(root, url)) as client,
+    ):
+        state = client.app.state.treadle  # type: ignore[attr-defined]
+        yield _make_world(client, state.database, state.settings)
 
 
 @contextlib.contextmanager

@@ -26,12 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from api.app import create_app
 from api.bootstrap import ensure_default_key
 from core.clock import SystemClock
 from core.db import Database
-from tests.builders import make_settings
-from tests.server import running_server
+from tests.server import AppFactory, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -45,12 +43,11 @@ EXCLUDED_CHECKS = "positive_data_acceptance"
 
 @pytest.fixture
 def server_and_key(
-    tmp_path: Path, database_url: str, migrated: Database
+    app_factory: AppFactory, database_url: str, migrated: Database
 ) -> Iterator[tuple[str, str]]:
     # A short long-poll: retrieve_future on a pending operation holds its answer that long.
-    settings = make_settings(tmp_path, database_url, long_poll_seconds=0.2)
-    app = create_app(settings)
-    key = ensure_default_key(settings, migrated, SystemClock())
+    app = app_factory(database_url, long_poll_seconds=0.2)
+    key = ensure_default_key(app.state.treadle.settings, migrated, SystemClock())
     with running_server(app) as url:
         yield url, key
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,8 +17,6 @@ import pytest
 from fastapi.testclient import TestClient
 from tinker import types as tinker_types
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core import sessions
 from core.clock import FakeClock
 from core.db import Database
@@ -29,7 +26,8 @@ from scheduler.convert import forward_backward_output
 from scheduler.ops import PROTO, OpKind, encode_json_payload
 from scheduler.submit import submit
 from scheduler.worker.outcome import Outcome
-from tests.builders import TenantKey, make_settings, tenant_factory
+from tests.builders import TenantKey, tenant_factory
+from tests.server import AppFactory
 from treadle.types import (
     ForwardBackwardOutput,
     OptimStepResponse,
@@ -55,14 +53,14 @@ def _strict_json(data: bytes) -> Any:
 
 
 @pytest.fixture
-def served(tmp_path: Path, database_url: str) -> Iterator[tuple[TestClient, TenantKey, str]]:
-    settings = make_settings(tmp_path, database_url, long_poll_seconds=0.1)
-    upgrade(Database(database_url))
+def served(
+    app_factory: AppFactory, database_url: str
+) -> Iterator[tuple[TestClient, TenantKey, str]]:
     clock = FakeClock()
-    app = create_app(settings, clock=clock)
+    app = app_factory(database_url, clock=clock, long_poll_seconds=0.1)
     with TestClient(app) as client:
         database = app.state.treadle.database
-        tenant = tenant_factory(database, settings, clock)()
+        tenant = tenant_factory(database, app.state.treadle.settings, clock)()
         with database.transaction() as db:
             session = sessions.create_session(
                 db, clock, tenant_id=tenant.tenant_id, api_key_id=None, ttl_seconds=1e6

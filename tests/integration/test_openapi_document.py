@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api import dbschema
-from api.app import create_app
 from api.bootstrap import ensure_default_key
 from core.clock import SystemClock
-from core.db import Database
-from tests.builders import make_settings
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
@@ -38,12 +34,11 @@ PUBLIC = {
 
 
 @pytest.fixture
-def client_and_key(tmp_path: Path, sqlite_url: str) -> Iterator[tuple[TestClient, str]]:
-    database = Database(sqlite_url)
-    dbschema.upgrade(database)
-    settings = make_settings(tmp_path, sqlite_url)
-    key = ensure_default_key(settings, database, SystemClock())
-    with TestClient(create_app(settings)) as client:
+def client_and_key(app_factory: AppFactory) -> Iterator[tuple[TestClient, str]]:
+    app = app_factory()
+    state = app.state.treadle
+    key = ensure_default_key(state.settings, state.database, SystemClock())
+    with TestClient(app) as client:
         yield client, key
 
 
@@ -170,15 +165,14 @@ def test_routing_answers_share_the_error_body(client_and_key: tuple[TestClient, 
 
 
 def test_text_with_nul_is_refused_where_it_cannot_be_stored(
-    tmp_path: Path, postgres_url: str
+    app_factory: AppFactory, postgres_url: str
 ) -> None:
     """PostgreSQL text cannot hold NUL: a request carrying one is the client's mistake (422),
     and the transaction it came in leaves nothing behind."""
-    database = Database(postgres_url)
-    dbschema.upgrade(database)
-    settings = make_settings(tmp_path, postgres_url)
-    headers = {"X-API-Key": ensure_default_key(settings, database, SystemClock())}
-    with TestClient(create_app(settings)) as client:
+    app = app_factory(postgres_url)
+    state = app.state.treadle
+    headers = {"X-API-Key": ensure_default_key(state.settings, state.database, SystemClock())}
+    with TestClient(app) as client:
         named = client.post(
             "/api/v1/create_session", json={"display_name": "a\0b"}, headers=headers
         )

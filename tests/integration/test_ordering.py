@@ -6,32 +6,28 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core.db import Database
 from core.tables import Operation
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
 from tests.integration.helpers import DATUM, MODEL, op, result
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
 
 @contextlib.contextmanager
 def _server_with_run(
-    tmp_path: Path, gap_timeout_seconds: float
+    app_factory: AppFactory, gap_timeout_seconds: float
 ) -> Iterator[tuple[TestClient, dict[str, str], str]]:
     """An embedded server with one tenant, one session and one created training run."""
-    url = f"sqlite:///{tmp_path / 'treadle.db'}"
-    upgrade(Database(url))
-    settings = make_settings(tmp_path, url, gap_timeout_seconds=gap_timeout_seconds)
-    app = create_app(settings)
-    headers = {"X-API-Key": tenant_factory(app.state.treadle.database, settings)().key}
+    app = app_factory(gap_timeout_seconds=gap_timeout_seconds)
+    state = app.state.treadle
+    headers = {"X-API-Key": tenant_factory(state.database, state.settings)().key}
     with TestClient(app) as test_client:
         session = test_client.post("/api/v1/create_session", json={}, headers=headers).json()
         created = op(
@@ -49,8 +45,8 @@ def _server_with_run(
 
 
 @pytest.fixture
-def client(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, str], str]]:
-    with _server_with_run(tmp_path, gap_timeout_seconds=1.5) as served:
+def client(app_factory: AppFactory) -> Iterator[tuple[TestClient, dict[str, str], str]]:
+    with _server_with_run(app_factory, gap_timeout_seconds=1.5) as served:
         yield served
 
 
@@ -106,10 +102,13 @@ def test_a_gap_is_released_after_the_timeout_and_its_straggler_refused(
     result(test_client, headers, _submit(test_client, headers, "forward_backward", _fb(run_id, 3)))
 
 
-def test_a_refused_request_keeps_its_place_so_later_ones_never_wait(tmp_path: Path) -> None:
+def test_a_refused_request_keeps_its_place_so_later_ones_never_wait(
+    app_factory: AppFactory,
+) -> None:
     """A request refused on its content (here: a checkpoint name already taken) still takes its
     seq_id and fails through its future; the next request runs at once, with no gap to wait out."""
-    with _server_with_run(tmp_path, gap_timeout_seconds=3600) as (test_client, headers, run_id):
+    with _server_with_run(app_factory, gap_timeout_seconds=3600) as served:
+        test_client, headers, run_id = served
         op(test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 1, "path": "ckpt"})
         taken = _submit(
             test_client, headers, "save_weights", {"model_id": run_id, "seq_id": 2, "path": "ckpt"}

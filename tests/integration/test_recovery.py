@@ -4,18 +4,17 @@ and op log, and continues exactly where it was."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.app import create_app
-from api.dbschema import upgrade
 from billing.tables import UsageEvent
 from core.db import Database
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
 from tests.integration.helpers import DATUM, MODEL, op
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
@@ -76,11 +75,9 @@ def _forward_loss(client: TestClient, headers: dict[str, str], run_id: str, seq_
 
 
 @pytest.mark.parametrize("snapshot_every_steps", [2, 1000])
-def test_restarted_server_restores_runs(tmp_path: Path, snapshot_every_steps: int) -> None:
-    url = f"sqlite:///{tmp_path / 'treadle.db'}"
-    upgrade(Database(url))
-    settings = make_settings(tmp_path, url, snapshot_every_steps=snapshot_every_steps)
-    app = create_app(settings)
+def test_restarted_server_restores_runs(app_factory: AppFactory, snapshot_every_steps: int) -> None:
+    app = app_factory(snapshot_every_steps=snapshot_every_steps)
+    settings = app.state.treadle.settings
     key = tenant_factory(app.state.treadle.database, settings)().key
     headers = {"X-API-Key": key}
     with TestClient(app) as client:
@@ -91,7 +88,7 @@ def test_restarted_server_restores_runs(tmp_path: Path, snapshot_every_steps: in
         reference = _train(client, headers, session_id, 1, steps=4)
         expected = _forward_loss(client, headers, reference, seq_id=9)
 
-    with Database(url).reader() as db:
+    with Database(settings.resolved_database_url).reader() as db:
         billed = db.scalar(select(func.sum(UsageEvent.quantity)))
     restarted = create_app(settings)  # a new engine that holds no runs
     with TestClient(restarted) as client:
@@ -110,7 +107,7 @@ def test_restarted_server_restores_runs(tmp_path: Path, snapshot_every_steps: in
         assert _forward_loss(client, headers, survivor, seq_id=9) == pytest.approx(
             expected, rel=1e-6
         )
-    with Database(url).reader() as db:
+    with Database(settings.resolved_database_url).reader() as db:
         # Replayed ops are not billed again: only the new forward_backward and forward added
         # usage (20 tokens each; an optimizer step processes no tokens).
         assert db.scalar(select(func.sum(UsageEvent.quantity))) == (billed or 0) + 2 * 20
@@ -135,17 +132,17 @@ def _failure(
     raise AssertionError("no result")
 
 
-def test_replay_repeats_steps_refused_after_a_failed_forward_backward(tmp_path: Path) -> None:
+def test_replay_repeats_steps_refused_after_a_failed_forward_backward(
+    app_factory: AppFactory,
+) -> None:
     """A refused optim_step discarded its window's gradients; replay after a restart discards
     them too, and a window left open across the restart is refused by the restarted server."""
-    url = f"sqlite:///{tmp_path / 'treadle.db'}"
-    upgrade(Database(url))
-    settings = make_settings(tmp_path, url, snapshot_every_steps=1000)  # replay from creation
+    app = app_factory(snapshot_every_steps=1000)  # replay from creation
+    settings = app.state.treadle.settings
     inputs = DATUM["loss_fn_inputs"]
     assert isinstance(inputs, dict)
     unweighted = {**DATUM, "loss_fn_inputs": {"target_tokens": inputs["target_tokens"]}}
     adam = {"adam_params": {"learning_rate": 0.01}}
-    app = create_app(settings)
     key = tenant_factory(app.state.treadle.database, settings)().key
     headers = {"X-API-Key": key}
 

@@ -18,15 +18,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from tinker import types as tinker_types
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core import checkpoints, runs, sessions
 from core.clock import FakeClock
-from core.db import Database
 from core.signing import sign_download
 from core.tables import ModelVersion
 from tests import services
-from tests.builders import TenantFactory, TenantKey, make_settings, tenant_factory
+from tests.builders import TenantFactory, TenantKey, tenant_factory
+from tests.server import build_app
 
 pytestmark = pytest.mark.integration
 
@@ -102,14 +100,11 @@ class Env:
 def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     root = tmp_path_factory.mktemp(f"rest-{request.param}")
     with _database(request, root) as url:
-        settings = make_settings(root, url)
-        upgrade(Database(url))
         clock = FakeClock()
-        app = create_app(settings, clock=clock)
+        app = build_app(root, url, clock=clock)
+        state = app.state.treadle
         with TestClient(app) as client:
-            yield Env(
-                client, clock, tenant_factory(app.state.treadle.database, settings, clock), root
-            )
+            yield Env(client, clock, tenant_factory(state.database, state.settings, clock), root)
 
 
 def _database(request: pytest.FixtureRequest, root: Path) -> contextlib.AbstractContextManager[str]:

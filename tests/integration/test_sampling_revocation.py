@@ -13,20 +13,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.app import create_app
 from billing.tables import UsageEvent
 from core.clock import FakeClock
 from core.db import Database
 from core.tables import ModelVersion, Operation
 from scheduler.worker.host import WorkerHost, build_engine
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
@@ -159,11 +158,11 @@ class World:
 
 
 @pytest.fixture
-def world(tmp_path: Path, migrated: Database, database_url: str) -> Iterator[World]:
+def world(app_factory: AppFactory, database_url: str) -> Iterator[World]:
     clock = FakeClock()
-    settings = make_settings(tmp_path, database_url, session_ttl_seconds=10 * 24 * 3600.0)
-    app = create_app(settings, clock=clock)
+    app = app_factory(database_url, clock=clock, session_ttl_seconds=10 * 24 * 3600.0)
     state = app.state.treadle
+    settings = state.settings
     # Without a lifespan the engine thread never starts: the test steps this host itself.
     client = TestClient(app)
     host = WorkerHost(state.database, clock, build_engine(settings), state.store, state.notifier)

@@ -16,8 +16,7 @@ import pytest
 
 from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import OpKind
-from tests.builders import make_settings
-from tests.scheduling import MODEL, Rows, migrated, worker_host
+from tests.scheduling import MODEL, Rows, cpu_engine, migrated, worker_host
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
@@ -31,10 +30,7 @@ HostFactory = Callable[..., "WorkerHost"]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    from scheduler.worker.host import build_engine
-
-    root = tmp_path_factory.mktemp("engine")
-    return build_engine(make_settings(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
+    return cpu_engine(tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture

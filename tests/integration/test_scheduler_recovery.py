@@ -13,10 +13,10 @@ from scheduler.ops import OpKind
 from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor
 from scheduler.worker.recovery import RestoreImpossible, restore_run
-from tests.builders import make_settings
 from tests.scheduling import (
     MODEL,
     Rows,
+    cpu_engine,
     forward_backward_payload,
     forward_backward_request,
     migrated,
@@ -33,16 +33,10 @@ TOKENS = [(5 * i) % 300 + 10 for i in range(21)]
 STEPS = 3
 
 
-def _engine(root: Path) -> Engine:
-    from scheduler.worker.host import build_engine
-
-    return build_engine(make_settings(root, f"sqlite:///{root / 'unused.db'}", device="cpu"))
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     """The engine the runs were trained on."""
-    return _engine(tmp_path_factory.mktemp("engine"))
+    return cpu_engine(tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture
@@ -90,7 +84,7 @@ def _loss(engine: Engine, run_id: str) -> float:
 
 def _restore(rows: Rows, host: WorkerHost, tmp_path: Path, run_id: str) -> Engine:
     """The run restored onto a fresh engine, as a worker that does not hold it restores it."""
-    fresh = _engine(tmp_path / "fresh")
+    fresh = cpu_engine(tmp_path / "fresh")
     assert run_id not in fresh.run_ids()
     executor = Executor(fresh, host.store, rows.database, rows.clock)
     assert restore_run(fresh, host.store, rows.database, executor, run_id) >= 1
@@ -113,7 +107,7 @@ def test_a_run_restored_from_its_snapshot_replays_exactly_the_ops_after_it(
     assert replayed == [(OpKind.FORWARD_BACKWARD, 5), (OpKind.OPTIM_STEP, 6)]
     assert _loss(fresh, run) == pytest.approx(_loss(engine, run), rel=1e-6)
     # The replayed step matters: the snapshot alone holds the weights of two steps, not three.
-    snapshot_only = _engine(tmp_path / "snapshot-only")
+    snapshot_only = cpu_engine(tmp_path / "snapshot-only")
     assert saved.snapshot_uri is not None
     snapshot_only.load_state(run, host.store.open_dir(saved.snapshot_uri), include_optimizer=True)
     assert _loss(snapshot_only, run) != pytest.approx(_loss(engine, run), rel=1e-6)
@@ -147,7 +141,7 @@ def test_a_missing_snapshot_makes_the_run_unrestorable(
     snapshot = rows.training_run(run).snapshot_uri
     assert snapshot is not None
     host.store.delete(snapshot)
-    fresh = _engine(tmp_path / "fresh")
+    fresh = cpu_engine(tmp_path / "fresh")
     executor = Executor(fresh, host.store, rows.database, rows.clock)
     with pytest.raises(RestoreImpossible, match=r"snapshot of .* is missing from the artifact"):
         restore_run(fresh, host.store, rows.database, executor, run)

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-from api.app import create_app
-from api.dbschema import upgrade
-from core.db import Database
-from tests.builders import make_settings, tenant_factory
-from tests.server import running_server
+from tests.builders import tenant_factory
+from tests.server import AppFactory, running_server
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("backend", ["postgres", "sqlite"])
 def test_fifty_concurrent_creates_respect_a_limit_of_three(
-    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+    app_factory: AppFactory, backend: str, request: pytest.FixtureRequest
 ) -> None:
     url = request.getfixturevalue("postgres_url" if backend == "postgres" else "sqlite_url")
-    upgrade(Database(url))
-    settings = make_settings(tmp_path, url)
-    app = create_app(settings)
-    tenant = tenant_factory(app.state.treadle.database, settings)(max_concurrent_sessions=3)
+    app = app_factory(url)
+    state = app.state.treadle
+    tenant = tenant_factory(state.database, state.settings)(max_concurrent_sessions=3)
     headers = {"X-API-Key": tenant.key}
 
     with running_server(app) as base_url:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.dbschema import upgrade
 from core.clock import FakeClock
-from core.db import Database
-from tests.builders import TenantFactory, make_settings, tenant_factory
+from tests.builders import TenantFactory, tenant_factory
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
@@ -26,13 +23,12 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def env(
-    tmp_path: Path, database_url: str, clock: FakeClock
+    app_factory: AppFactory, database_url: str, clock: FakeClock
 ) -> Iterator[tuple[TestClient, TenantFactory]]:
-    settings = make_settings(tmp_path, database_url, session_ttl_seconds=TTL)
-    upgrade(Database(database_url))
-    app = create_app(settings, clock=clock)
+    app = app_factory(database_url, clock=clock, session_ttl_seconds=TTL)
+    state = app.state.treadle
     with TestClient(app) as client:
-        yield client, tenant_factory(app.state.treadle.database, settings, clock)
+        yield client, tenant_factory(state.database, state.settings, clock)
 
 
 def _create(client: TestClient, key: str) -> str:

@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.dbschema import upgrade
-from core.db import Database
 from core.tables import TrainingRun
 from gpu_worker.protocol import AdamParams, UserInputError
 from gpu_worker.validation import check_adam
 from scheduler.ops import OpKind, encode_json_payload
 from scheduler.submit import submit_training_op
-from tests.builders import make_settings, tenant_factory
+from tests.builders import tenant_factory
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
@@ -39,11 +36,12 @@ def _outcome(client: TestClient, headers: dict[str, str], request_id: str) -> di
 
 
 @pytest.fixture
-def served(tmp_path: Path, database_url: str) -> Iterator[tuple[TestClient, dict[str, str], str]]:
-    settings = make_settings(tmp_path, database_url, long_poll_seconds=1.0)
-    upgrade(Database(database_url))
-    app = create_app(settings)
-    headers = {"X-API-Key": tenant_factory(app.state.treadle.database, settings)().key}
+def served(
+    app_factory: AppFactory, database_url: str
+) -> Iterator[tuple[TestClient, dict[str, str], str]]:
+    app = app_factory(database_url, long_poll_seconds=1.0)
+    state = app.state.treadle
+    headers = {"X-API-Key": tenant_factory(state.database, state.settings)().key}
     with TestClient(app) as client:
         session_id = client.post("/api/v1/create_session", json={}, headers=headers).json()[
             "session_id"

@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +21,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, inspect, select, text
 
-from api.app import create_app
 from api.dbschema import downgrade, upgrade
 from billing.tables import UsageEvent
 from core import tenants
@@ -32,8 +30,8 @@ from core.errors import InvalidInput
 from core.tables import Operation, Tenant, TrainingRun
 from scheduler.worker.host import WorkerHost, build_engine
 from tests import services
-from tests.builders import TenantFactory, make_settings, tenant_factory
-from tests.server import running_server
+from tests.builders import TenantFactory, tenant_factory
+from tests.server import AppFactory, build_app, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -140,10 +138,9 @@ def world(
     else:
         database = services.throwaway_database(request.getfixturevalue("postgres_admin_url"))
     with database as url:
-        upgrade(Database(url))
-        settings = make_settings(root, url)
-        app = create_app(settings)
+        app = build_app(root, url)
         state = app.state.treadle
+        settings = state.settings
         # Without a lifespan the engine thread never starts: the tests step this host.
         host = WorkerHost(
             state.database, SystemClock(), build_engine(settings), state.store, state.notifier
@@ -351,12 +348,11 @@ def _concurrently(
 
 
 def test_concurrent_creates_respect_a_limit_of_three_runs(
-    tmp_path: Path, database_url: str, migrated: Database
+    app_factory: AppFactory, database_url: str, migrated: Database
 ) -> None:
-    settings = make_settings(tmp_path, database_url)
-    app = create_app(settings)
+    app = app_factory(database_url)
     app.state.treadle.dispatcher = Parked()
-    key = tenant_factory(migrated, settings)().key
+    key = tenant_factory(migrated, app.state.treadle.settings)().key
     with running_server(app) as base_url:
         sessions = [
             httpx.post(
@@ -391,12 +387,11 @@ def test_concurrent_creates_respect_a_limit_of_three_runs(
 
 
 def test_concurrent_submissions_respect_a_limit_of_five_queued_ops(
-    tmp_path: Path, database_url: str, migrated: Database
+    app_factory: AppFactory, database_url: str, migrated: Database
 ) -> None:
-    settings = make_settings(tmp_path, database_url)
-    app = create_app(settings)
+    app = app_factory(database_url)
     app.state.treadle.dispatcher = Parked()
-    key = tenant_factory(migrated, settings)().key
+    key = tenant_factory(migrated, app.state.treadle.settings)().key
     with migrated.transaction() as db:
         tenant = db.scalar(select(Tenant))
         assert tenant is not None
