@@ -13,13 +13,18 @@ request's body is parsed: callers count the tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.ledger import UsageLine
-from billing.prices import cost_micros, rate_in_force
+from billing.prices import PriceCache, Rate, cost_micros, rate_in_force
+from core.clock import Clock
+
+RateLookup = Callable[[OrmSession, str, str, datetime], Rate | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +68,16 @@ def checkpoint() -> tuple[UsageLine, ...]:
 
 
 def price_lines(
-    db: OrmSession, base_model: str, usage: Sequence[UsageLine], at: datetime
+    db: OrmSession,
+    base_model: str,
+    usage: Sequence[UsageLine],
+    at: datetime,
+    rates: RateLookup = rate_in_force,
 ) -> list[PricedLine]:
     """Each line priced by the version in force for `base_model` at `at`."""
     priced = []
     for line in usage:
-        rate = rate_in_force(db, base_model, line.kind, at)
+        rate = rates(db, base_model, line.kind, at)
         priced.append(
             PricedLine(
                 kind=line.kind,
@@ -81,7 +90,24 @@ def price_lines(
     return priced
 
 
-def estimate_micros(db: OrmSession, estimate: Estimate, at: datetime) -> int:
-    """What the op is expected to cost at `at`, in micro-units."""
-    lines = price_lines(db, estimate.base_model, estimate.usage, at)
+_caches: weakref.WeakKeyDictionary[Clock, PriceCache] = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def price_cache(clock: Clock) -> PriceCache:
+    """This process's price cache for times told by `clock` (a fake clock's times are its own):
+    estimates run on every submission of a tenant with a limit, and the cache spares them the
+    price book's queries."""
+    with _caches_lock:
+        cache = _caches.get(clock)
+        if cache is None:
+            cache = _caches[clock] = PriceCache(clock)
+        return cache
+
+
+def estimate_micros(db: OrmSession, clock: Clock, estimate: Estimate) -> int:
+    """What the op is expected to cost now, in micro-units."""
+    if not estimate.usage:
+        return 0
+    lines = price_lines(db, estimate.base_model, estimate.usage, clock.now(), price_cache(clock))
     return sum(line.amount_micros for line in lines)

@@ -60,7 +60,7 @@ def reserve(
     if not has_limit(tenant):
         return 0
     now = clock.now()
-    cost = estimate_micros(db, estimate, now)
+    cost = estimate_micros(db, clock, estimate)
     refusal = _over_tenant_limit(db, tenant, now) or _over_session_limit(db, tenant, session_id)
     if refusal is not None and not _fills_gap(db, target_id, run_seq_id):
         raise SpendLimitReached(refusal)
