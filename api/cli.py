@@ -11,6 +11,7 @@ import logging
 import shlex
 import socket
 from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
 
 import typer
@@ -324,7 +325,7 @@ def tenants_create(
     max_lora_rank: Annotated[int, typer.Option(help="Largest LoRA rank allowed.")] = 64,
     spend_limit: Annotated[
         float | None,
-        typer.Option(help="Spend cap in currency units; stored, but not enforced yet."),
+        typer.Option(help="Monthly spend limit in dollars (also: tenants set-limit)."),
     ] = None,
     max_training_runs: MaxTrainingRuns = None,
     max_lora_parameters: MaxLoraParameters = None,
@@ -362,7 +363,7 @@ def tenants_update(
     max_lora_rank: Annotated[int | None, typer.Option()] = None,
     spend_limit: Annotated[
         float | None,
-        typer.Option(help="Spend cap in currency units; stored, but not enforced yet."),
+        typer.Option(help="Monthly spend limit in dollars (also: tenants set-limit)."),
     ] = None,
     no_spend_limit: Annotated[bool, typer.Option(help="Remove the spend cap.")] = False,
     max_training_runs: MaxTrainingRuns = None,
@@ -421,6 +422,57 @@ def tenants_list() -> None:
                 t.created_at.isoformat(timespec="seconds"),
             )
     _print_table(table)
+
+
+def _limit_change(dollars: str | None, remove: bool, option: str) -> int | tenants.Keep | None:
+    if remove:
+        return None
+    if dollars is None:
+        return tenants.Keep.KEEP
+    return _micros(dollars, option)
+
+
+@tenants_cli.command("set-limit")
+def tenants_set_limit(
+    name: str,
+    monthly: Annotated[
+        str | None,
+        typer.Option(metavar="DOLLARS", help="Most the tenant may spend per calendar month (UTC)."),
+    ] = None,
+    no_monthly: Annotated[
+        bool, typer.Option("--no-monthly", help="Remove the monthly limit.")
+    ] = False,
+    per_session: Annotated[
+        str | None, typer.Option(metavar="DOLLARS", help="Most one session may spend.")
+    ] = None,
+    no_per_session: Annotated[
+        bool, typer.Option("--no-per-session", help="Remove the per-session limit.")
+    ] = False,
+) -> None:
+    """Set a tenant's spend limits. Over a limit, new priced work is answered 402 (the tinker
+    SDK pauses until the limit is raised); work already accepted finishes."""
+    if (monthly is not None and no_monthly) or (per_session is not None and no_per_session):
+        raise _fail("pass a limit or its --no- option, not both")
+    if monthly is None and not no_monthly and per_session is None and not no_per_session:
+        raise _fail("pass --monthly, --no-monthly, --per-session or --no-per-session")
+    monthly_micros = _limit_change(monthly, no_monthly, "--monthly")
+    session_micros = _limit_change(per_session, no_per_session, "--per-session")
+    try:
+        with _database(Settings()).transaction() as db:
+            tenant = tenants.set_spend_limits(
+                db,
+                SystemClock(),
+                tenants.find_tenant(db, name),
+                monthly_micros=monthly_micros,
+                per_session_micros=session_micros,
+            )
+            console.print(
+                f"tenant [bold]{tenant.name}[/]: monthly limit "
+                f"{_limits_text(tenant.spend_limit_micros)}, per-session limit "
+                f"{_limits_text(tenant.session_spend_limit_micros)}"
+            )
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
 
 
 @keys_cli.command("create")
@@ -483,6 +535,17 @@ def keys_revoke(key_id: str) -> None:
     except TreadleError as exc:
         raise _fail(exc.message) from exc
     console.print(f"revoked key [bold]{key_id}[/]")
+
+
+def _micros(dollars: str, what: str) -> int:
+    """Dollars as written on the command line, exactly, in micro-units."""
+    try:
+        amount = Decimal(dollars.strip().lstrip("$").replace(",", "")) * 1_000_000
+    except InvalidOperation:
+        raise _fail(f"{what} is {dollars[:40]!r}; give dollars as a number, e.g. 0.22") from None
+    if not amount.is_finite() or amount != amount.to_integral_value():
+        raise _fail(f"{what} {dollars[:40]} is finer than a micro-dollar; round it to 6 decimals")
+    return int(amount)
 
 
 @tenants_cli.command("link-stripe")
