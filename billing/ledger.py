@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import cast
 
-from sqlalchemy import func, select
+from sqlalchemy import Executable, Table, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
@@ -35,6 +36,26 @@ class UsageLine:
 Rates = Callable[[OrmSession, str, str, datetime], Rate | None]
 """Finds the price version in force for (base model, kind) at a time: `rate_in_force`, or a
 process's `PriceCache`."""
+
+
+def _new_events(insert: Callable[[Table], postgresql.Insert | sqlite.Insert]) -> Executable:
+    events = cast(Table, UsageEvent.__table__)
+    return (
+        insert(events)
+        .on_conflict_do_nothing(index_elements=[events.c.operation_id, events.c.kind])
+        .returning(
+            events.c.kind,
+            events.c.quantity,
+            events.c.cached_quantity,
+            events.c.price_id,
+            events.c.amount_micros,
+        )
+    )
+
+
+# Built once: a statement given its rows at execution is compiled once per process, where one
+# holding them (`.values(rows)`) would be compiled on every call.
+_NEW_EVENTS = {"postgresql": _new_events(postgresql.insert), "sqlite": _new_events(sqlite.insert)}
 
 
 def record_usage(
@@ -79,20 +100,8 @@ def record_usage(
         )
     if not rows:
         return 0
-    insert = postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
     # Only what this call inserted goes further: a replay's rows are already counted.
-    inserted = db.execute(
-        insert(UsageEvent)
-        .values(rows)
-        .on_conflict_do_nothing(index_elements=["operation_id", "kind"])
-        .returning(
-            UsageEvent.kind,
-            UsageEvent.quantity,
-            UsageEvent.cached_quantity,
-            UsageEvent.price_id,
-            UsageEvent.amount_micros,
-        )
-    ).all()
+    inserted = db.execute(_NEW_EVENTS[db.get_bind().dialect.name], rows).all()
     if not inserted:
         return 0
     add_to_rollups(

@@ -9,12 +9,12 @@ Missing dimensions are keyed `NO_DIMENSION` (API key, session) and price 0 (unpr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Literal, cast
 
-from sqlalchemy import String, delete, func, insert, literal_column, select
+from sqlalchemy import Executable, String, Table, delete, func, insert, literal_column, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
@@ -80,8 +80,8 @@ def add_to_rollups(db: OrmSession, events: Iterable[RolledEvent]) -> None:
         sums[3] += e.amount_micros
     if not cells:
         return
-    upsert = postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
-    statement = upsert(UsageRollup).values(
+    db.execute(
+        _ADD[db.get_bind().dialect.name],
         [
             {
                 "tenant_id": tenant_id,
@@ -101,29 +101,36 @@ def add_to_rollups(db: OrmSession, events: Iterable[RolledEvent]) -> None:
                 quantity,
                 cached,
                 amount,
-            ) in cells.items()
-        ]
+            ) in sorted(cells.items())  # one order of row locks for every writer: no deadlock
+        ],
     )
-    added = statement.excluded
-    db.execute(
-        statement.on_conflict_do_update(
-            index_elements=[
-                UsageRollup.tenant_id,
-                UsageRollup.hour,
-                UsageRollup.api_key_id,
-                UsageRollup.session_id,
-                UsageRollup.base_model,
-                UsageRollup.kind,
-                UsageRollup.price_id,
-            ],
-            set_={
-                "events": UsageRollup.events + added.events,
-                "quantity": UsageRollup.quantity + added.quantity,
-                "cached_quantity": UsageRollup.cached_quantity + added.cached_quantity,
-                "amount_micros": UsageRollup.amount_micros + added.amount_micros,
-            },
-        )
+
+
+def _add(insert: Callable[[Table], postgresql.Insert | sqlite.Insert]) -> Executable:
+    rollups = cast(Table, UsageRollup.__table__)
+    statement = insert(rollups)
+    added, c = statement.excluded, rollups.c
+    return statement.on_conflict_do_update(
+        index_elements=[
+            c.tenant_id,
+            c.hour,
+            c.api_key_id,
+            c.session_id,
+            c.base_model,
+            c.kind,
+            c.price_id,
+        ],
+        set_={
+            "events": c.events + added.events,
+            "quantity": c.quantity + added.quantity,
+            "cached_quantity": c.cached_quantity + added.cached_quantity,
+            "amount_micros": c.amount_micros + added.amount_micros,
+        },
     )
+
+
+# Built once, given its rows at execution, so it is compiled once per process.
+_ADD = {"postgresql": _add(postgresql.insert), "sqlite": _add(sqlite.insert)}
 
 
 def recompute_rollups(

@@ -8,9 +8,11 @@ nothing of limits: those read `period_spend`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import cast
 
-from sqlalchemy import select
+from sqlalchemy import Executable, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
@@ -39,13 +41,20 @@ def add_spend(db: OrmSession, tenant_id: str, at: datetime, amount_micros: int) 
     concurrent recorders add up instead of colliding). Nothing is written for a zero amount."""
     if amount_micros == 0:
         return
-    insert = postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
-    statement = insert(TenantSpend).values(
-        tenant_id=tenant_id, period_start=period_start(at), spent_micros=amount_micros
-    )
     db.execute(
-        statement.on_conflict_do_update(
-            index_elements=[TenantSpend.tenant_id, TenantSpend.period_start],
-            set_={"spent_micros": TenantSpend.spent_micros + statement.excluded.spent_micros},
-        )
+        _ADD[db.get_bind().dialect.name],
+        {"tenant_id": tenant_id, "period_start": period_start(at), "spent_micros": amount_micros},
     )
+
+
+def _add(insert: Callable[[Table], postgresql.Insert | sqlite.Insert]) -> Executable:
+    spend = cast(Table, TenantSpend.__table__)
+    statement = insert(spend)
+    return statement.on_conflict_do_update(
+        index_elements=[spend.c.tenant_id, spend.c.period_start],
+        set_={"spent_micros": spend.c.spent_micros + statement.excluded.spent_micros},
+    )
+
+
+# Built once and given its values at execution, so it is compiled once per process.
+_ADD = {"postgresql": _add(postgresql.insert), "sqlite": _add(sqlite.insert)}
