@@ -2,7 +2,8 @@
 `tenant_spend` beside the ledger so a spend limit is checked with one row read.
 
 Only the ledger adds to it (`add_spend`, in the transaction that records the priced usage), so
-the counter and the ledger's sum of `amount_micros` over the period never disagree. It knows
+the counter and the ledger's sum of `amount_micros` over the period never disagree;
+`recompute_spend` rebuilds it from the ledger should it ever be damaged. It knows
 nothing of limits: those read `period_spend`.
 """
 
@@ -12,11 +13,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import cast
 
-from sqlalchemy import Executable, Table, select
+from sqlalchemy import Executable, Table, delete, func, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
-from billing.tables import TenantSpend
+from billing.tables import TenantSpend, UsageEvent
 
 
 def period_start(at: datetime) -> datetime:
@@ -58,3 +59,29 @@ def _add(insert: Callable[[Table], postgresql.Insert | sqlite.Insert]) -> Execut
 
 # Built once and given its values at execution, so it is compiled once per process.
 _ADD = {"postgresql": _add(postgresql.insert), "sqlite": _add(sqlite.insert)}
+
+
+def recompute_spend(db: OrmSession, *, tenant_id: str | None = None) -> None:
+    """Rebuild the spend counters (of one tenant, or all) from the ledger's amounts, replacing
+    what was there. For repair: the ledger is the truth, and spend its sum per period."""
+    scope = [] if tenant_id is None else [UsageEvent.tenant_id == tenant_id]
+    db.execute(
+        delete(TenantSpend).where(
+            *([] if tenant_id is None else [TenantSpend.tenant_id == tenant_id])
+        )
+    )
+    spent: dict[tuple[str, datetime], int] = {}
+    for tenant, hour, amount in db.execute(
+        select(UsageEvent.tenant_id, UsageEvent.hour, func.sum(UsageEvent.amount_micros))
+        .where(*scope)
+        .group_by(UsageEvent.tenant_id, UsageEvent.hour)
+    ):
+        key = (tenant, period_start(hour))
+        spent[key] = spent.get(key, 0) + int(amount or 0)
+    rows = [
+        {"tenant_id": tenant, "period_start": start, "spent_micros": amount}
+        for (tenant, start), amount in sorted(spent.items())
+        if amount
+    ]
+    if rows:
+        db.execute(insert(TenantSpend), rows)
