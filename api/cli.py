@@ -1,4 +1,4 @@
-"""`treadle-server`: run the service and administer tenants and keys.
+"""`treadle-server`: run the service and administer tenants, keys and prices.
 
 Admin commands talk to the database directly (they are for the operator, on the operator's
 machine); customers use the HTTP API.
@@ -19,6 +19,9 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Column, Table
 
+from billing import pricebook
+from billing.prices import Rate
+from billing.tables import USAGE_KINDS
 from core import apikeys, tenants
 from core.clock import SystemClock
 from core.db import Database
@@ -30,14 +33,19 @@ app = typer.Typer(
     help="Treadle server: run it, migrate its database, administer tenants and keys.",
     no_args_is_help=True,
 )
-admin = typer.Typer(help="Tenants and API keys.", no_args_is_help=True)
+admin = typer.Typer(help="Tenants, API keys and prices.", no_args_is_help=True)
 tenants_cli = typer.Typer(help="Create, list and change tenants.", no_args_is_help=True)
 keys_cli = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+prices_cli = typer.Typer(
+    help="Set and list prices: versions, each in force from its effective time.",
+    no_args_is_help=True,
+)
 billing_cli = typer.Typer(help="Stripe metering: push usage, reconcile.", no_args_is_help=True)
 app.add_typer(admin, name="admin")
 admin.add_typer(tenants_cli, name="tenants")
 admin.add_typer(keys_cli, name="keys")
 admin.add_typer(billing_cli, name="billing")
+admin.add_typer(prices_cli, name="prices")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -537,6 +545,93 @@ def keys_revoke(key_id: str) -> None:
     console.print(f"revoked key [bold]{key_id}[/]")
 
 
+@prices_cli.command("set")
+def prices_set(
+    base_model: Annotated[str, typer.Argument(help="A base model, or '*' for every model.")],
+    kind: Annotated[str, typer.Argument(help=f"One of {', '.join(USAGE_KINDS)}.")],
+    price: Annotated[
+        str,
+        typer.Argument(
+            help="Dollars per unit: per 1M tokens (training, sampling_prefill, sampling_sample), "
+            "per GB-month (storage) or per checkpoint."
+        ),
+    ],
+    cached: Annotated[
+        str | None,
+        typer.Option(help="Dollars per 1M cached prefill tokens (sampling_prefill only)."),
+    ] = None,
+    effective: Annotated[
+        str | None,
+        typer.Option(
+            help="When it takes effect, ISO 8601 with a zone (e.g. 2027-01-01T00:00Z); "
+            "default: the first whole minute at least a minute from now. Never sooner."
+        ),
+    ] = None,
+) -> None:
+    """Add a price version; earlier versions stay as they were, for the usage they priced."""
+    unit_micros = _micros(price, "the price")
+    cached_micros = None if cached is None else _micros(cached, "--cached")
+    effective_from = None if effective is None else _utc_time(effective)
+    try:
+        with _database(Settings()).transaction() as db:
+            rate = pricebook.set_price(
+                db,
+                SystemClock(),
+                base_model=base_model,
+                kind=kind,
+                unit_micros=unit_micros,
+                cached_unit_micros=cached_micros,
+                effective_from=effective_from,
+            )
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    console.print(
+        f"{rate.base_model} {rate.kind}: ${_dollars(rate.unit_micros)} "
+        f"{pricebook.unit_of(rate.kind)} from {rate.effective_from.isoformat()} (version {rate.id})"
+    )
+
+
+@prices_cli.command("list")
+def prices_list() -> None:
+    """The prices in force now, per base model and kind ('*': every model without its own)."""
+    now = SystemClock().now()
+    with _database(Settings()).reader() as db:
+        rates = pricebook.prices_in_force(db, now)
+        scheduled = [r for r in pricebook.price_history(db) if r.effective_from > now]
+    table = Table("model", "kind", "price ($)", "cached ($)", "unit", "since", "version")
+    for r in rates:
+        table.add_row(*_price_cells(r), r.effective_from.isoformat(timespec="seconds"), str(r.id))
+    _print_table(table)
+    if scheduled:
+        console.print(
+            f"{len(scheduled)} version(s) take effect later; `treadle-server admin prices "
+            "history` lists them"
+        )
+
+
+@prices_cli.command("history")
+def prices_history(
+    base_model: Annotated[str | None, typer.Option("--model", help="Only this model.")] = None,
+    kind: Annotated[str | None, typer.Option(help="Only this kind.")] = None,
+) -> None:
+    """Every price version, latest effective first, with when and by whom it was set."""
+    now = SystemClock().now()
+    with _database(Settings()).reader() as db:
+        rates = pricebook.price_history(db, base_model=base_model, kind=kind)
+        in_force = {r.id for r in pricebook.prices_in_force(db, now)}
+    table = Table(
+        "model", "kind", "price ($)", "cached ($)", "unit", "effective from", "state", "version"
+    )
+    for r in rates:
+        state = (
+            "scheduled" if r.effective_from > now else "in force" if r.id in in_force else "past"
+        )
+        table.add_row(
+            *_price_cells(r), r.effective_from.isoformat(timespec="seconds"), state, str(r.id)
+        )
+    _print_table(table)
+
+
 def _micros(dollars: str, what: str) -> int:
     """Dollars as written on the command line, exactly, in micro-units."""
     try:
@@ -546,6 +641,35 @@ def _micros(dollars: str, what: str) -> int:
     if not amount.is_finite() or amount != amount.to_integral_value():
         raise _fail(f"{what} {dollars[:40]} is finer than a micro-dollar; round it to 6 decimals")
     return int(amount)
+
+
+def _dollars(micros: int) -> str:
+    """Micro-units as dollars, with as many decimals as they need (at least two)."""
+    whole, frac = divmod(micros, 1_000_000)
+    return f"{whole}.{f'{frac:06d}'.rstrip('0').ljust(2, '0')}"
+
+
+def _utc_time(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise _fail(
+            f"--effective {text[:40]!r} is not an ISO 8601 time; write e.g. 2027-01-01T00:00Z"
+        ) from None
+    if value.tzinfo is None:
+        raise _fail(f"--effective {text[:40]} has no time zone; append Z for UTC")
+    return value.astimezone(UTC)
+
+
+def _price_cells(rate: Rate) -> tuple[str, str, str, str, str]:
+    cached = "" if rate.cached_unit_micros is None else _dollars(rate.cached_unit_micros)
+    return (
+        rate.base_model,
+        rate.kind,
+        _dollars(rate.unit_micros),
+        cached,
+        pricebook.unit_of(rate.kind),
+    )
 
 
 @tenants_cli.command("link-stripe")
