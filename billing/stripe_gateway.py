@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import stripe
 
-from core.errors import TreadleError
+from core.errors import ErrorCode, TreadleError
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,12 @@ class StripeUnavailable(TreadleError):
     key without access), else it stayed unreachable or overloaded through every retry."""
 
     category = "server"
+    code = ErrorCode.INTERNAL_ERROR
 
-    def __init__(self, message: str, *, refused: bool) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, refused: bool = False, code: ErrorCode | None = None
+    ) -> None:
+        super().__init__(message, code=code)
         self.refused = refused
 
 

@@ -8,10 +8,12 @@ billing links); Treadle has no projects or teams, so those types are always empt
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
+from pydantic import BeforeValidator
 
 from api.deps import CurrentPrincipal, ReadSession, State
 from api.openapi import error_responses
@@ -28,6 +30,22 @@ ACTION_PREFIXES: dict[str, tuple[str, ...] | None] = {
     "projects": (),
     "teams": (),
 }
+
+
+_ISO_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def _iso_day(value: object) -> object:
+    """Pydantic would also read a number as a Unix time, and Python a week date; the document
+    promises an RFC 3339 full date, which is what the tinker SDK sends."""
+    if isinstance(value, str) and not _ISO_DAY.fullmatch(value):
+        raise ValueError(
+            f"{value[:40]!r} is not a day written YYYY-MM-DD; send one such as 2026-01-15"
+        )
+    return value
+
+
+IsoDay = Annotated[date | None, BeforeValidator(_iso_day)]
 
 
 def _entry(row: AuditLog) -> AuditLogEntry:
@@ -54,9 +72,7 @@ def audit_log(
         AuditEventType,
         Query(description="Which resource's events: all, checkpoints, or organizations."),
     ] = "all",
-    day: Annotated[
-        date | None, Query(description="A UTC day, e.g. 2026-01-15; default today.")
-    ] = None,
+    day: Annotated[IsoDay, Query(description="A UTC day, e.g. 2026-01-15; default today.")] = None,
 ) -> AuditLogResponse:
     """Who changed the caller's API keys, limits and checkpoints on one UTC day, oldest first.
     `event_details` holds `actor` (an API key id, or "operator" for the server's admin CLI),

@@ -7,7 +7,9 @@ exactly as it answers a made-up reference of the same form: the same status and 
 once the made-up id is put in place of A's. The one exception is publication: a published
 checkpoint may be read where publication allows it (sampled, loaded, its weights_info, its run's
 view with `access_scope=accessible`), and a download link the server signed is itself the
-permission. A's rows are unchanged afterwards.
+permission. A's rows are unchanged afterwards. Listings of the caller's own objects (sessions,
+runs, checkpoints, usage, storage, the audit log) show B's and none of A's, and every route
+but the few that say why refuses a caller without an API key.
 
 `ROUTES` has an entry for each route of the document; a route without one fails
 `test_every_route_has_a_case`, so no route is added without deciding how it isolates tenants.
@@ -75,6 +77,15 @@ class Marker(enum.Enum):
 
     RUN_SEQ = "the next seq_id of the run the call names"
     FRESH = "a number never used before (model and sampling session seq ids)"
+    DAY_BEFORE = "the UTC hour boundary a day before now"
+    HOUR_AFTER = "the UTC hour boundary after now"
+
+
+class Owner(enum.Enum):
+    """What in a listing shows whose objects it lists."""
+
+    SESSION = "the ids of the sessions the objects were made in"
+    KEY = "the id of the API key that made them"
 
 
 # A reference is one parameter, or several path parameters naming one object together.
@@ -99,8 +110,13 @@ class Route:
     not_references: dict[str, str] = dataclasses.field(default_factory=dict)
     # Why the route takes no reference at all.
     no_reference: str | None = None
-    # The route lists the caller's own objects: A's must not appear in B's answer.
-    lists_own: bool = False
+    # The route lists the caller's own objects, each showing its owner thus: B's answer shows
+    # B's and none of A's.
+    lists_own: Owner | None = None
+    # The query a listing needs.
+    listing_query: dict[str, Marker] = dataclasses.field(default_factory=dict)
+    # Why the route answers a caller without an API key.
+    keyless: str | None = None
 
 
 SESSION, RUN, SAMPLER, REQUEST, CHECKPOINT, LINK = (
@@ -112,6 +128,7 @@ SESSION, RUN, SAMPLER, REQUEST, CHECKPOINT, LINK = (
     Kind.LINK,
 )
 IN_URL: Ref = ("run_id", "kind", "name")
+HUB_KEYLESS = "Hugging Face clients fetch base models' tokenizers without a key"
 NEW_NAME = {"path": "the name of the checkpoint to create, under the caller's own run"}
 BASE_MODEL = {"model": "a base model, served to every tenant alike"}
 HUB_REPO = {
@@ -130,36 +147,68 @@ def _on_run(**body: Any) -> Route:
 
 API = "/api/v1"
 ROUTES: dict[tuple[str, str], Route] = {
-    ("POST", f"{API}/client/config"): Route(no_reference="client settings, the same for all"),
-    ("POST", f"{API}/client/dynamic_config"): Route(no_reference="client settings"),
+    ("POST", f"{API}/client/config"): Route(
+        no_reference="client settings, the same for all",
+        keyless="the tinker SDK reads it before it sends its key",
+    ),
+    ("POST", f"{API}/client/dynamic_config"): Route(
+        no_reference="client settings", keyless="the tinker SDK reads it before it sends its key"
+    ),
     ("POST", f"{API}/telemetry"): Route(no_reference="accepted and dropped unread"),
     ("GET", f"{API}/get_server_capabilities"): Route(no_reference="the served base models"),
-    ("GET", f"{API}/healthz"): Route(no_reference="liveness"),
+    ("GET", f"{API}/healthz"): Route(no_reference="liveness", keyless="load balancers probe it"),
     ("POST", f"{API}/create_session"): Route(
         no_reference="creates the caller's own session",
         not_references={"project_id": "a label the client chooses; nothing is looked up by it"},
     ),
-    ("GET", f"{API}/sessions"): Route(no_reference="the caller's sessions", lists_own=True),
+    ("GET", f"{API}/sessions"): Route(
+        no_reference="the caller's sessions", lists_own=Owner.SESSION
+    ),
     ("GET", f"{API}/training_runs"): Route(
         no_reference="the caller's runs",
         not_references={"project_id": "accepted for the tinker SDK; nothing is looked up by it"},
-        lists_own=True,
+        lists_own=Owner.SESSION,
     ),
-    ("GET", f"{API}/checkpoints"): Route(no_reference="the caller's checkpoints", lists_own=True),
+    ("GET", f"{API}/checkpoints"): Route(
+        no_reference="the caller's checkpoints", lists_own=Owner.SESSION
+    ),
     ("GET", f"{API}/usage"): Route(no_reference="the caller's usage by base model and kind"),
+    ("GET", f"{API}/billing/usage/events"): Route(
+        no_reference="the caller's usage per hour, session and API key",
+        lists_own=Owner.SESSION,
+        listing_query={"starting_on": Marker.DAY_BEFORE, "ending_before": Marker.HOUR_AFTER},
+    ),
+    ("GET", f"{API}/billing/usage/checkpoints/current"): Route(
+        no_reference="the caller's stored checkpoints per project and API key",
+        not_references={"project_id": "a label the client chose; it filters the caller's own"},
+        lists_own=Owner.KEY,
+    ),
+    ("GET", f"{API}/audit"): Route(
+        no_reference="the caller's audit log (its keys, limits and checkpoints)",
+        lists_own=Owner.KEY,
+    ),
+    ("POST", f"{API}/billing/estimate"): Route(
+        no_reference="prices usage given in the body at the prices in force, the same for all"
+    ),
     ("GET", f"{API}/models/{{model}}/tokenizer"): Route(not_references=BASE_MODEL),
     ("GET", f"{API}/models/{{model}}/tokenizer/{{filename}}"): Route(
         not_references={**BASE_MODEL, "filename": "a file of that base model's tokenizer"}
     ),
     # The Hugging Face hub endpoint: base models' tokenizers, public and the same for all.
     ("GET", "/hf/{repo_id}/resolve/{revision}/{filename}"): Route(
-        not_references={**HUB_REPO, "filename": "a file of that base model's tokenizer"}
+        not_references={**HUB_REPO, "filename": "a file of that base model's tokenizer"},
+        keyless=HUB_KEYLESS,
     ),
-    ("GET", "/hf/api/models/{repo_id}"): Route(not_references=HUB_REPO),
-    ("GET", "/hf/api/models/{repo_id}/revision/{revision}"): Route(not_references=HUB_REPO),
-    ("GET", "/hf/api/models/{repo_id}/tree/{revision}"): Route(not_references=HUB_REPO),
+    ("GET", "/hf/api/models/{repo_id}"): Route(not_references=HUB_REPO, keyless=HUB_KEYLESS),
+    ("GET", "/hf/api/models/{repo_id}/revision/{revision}"): Route(
+        not_references=HUB_REPO, keyless=HUB_KEYLESS
+    ),
+    ("GET", "/hf/api/models/{repo_id}/tree/{revision}"): Route(
+        not_references=HUB_REPO, keyless=HUB_KEYLESS
+    ),
     ("GET", "/hf/api/models/{repo_id}/tree/{revision}/{folder}"): Route(
-        not_references={**HUB_REPO, "folder": "a folder of that base model's tokenizer"}
+        not_references={**HUB_REPO, "folder": "a folder of that base model's tokenizer"},
+        keyless=HUB_KEYLESS,
     ),
     ("POST", f"{API}/session_heartbeat"): Route((Call({("session_id",): SESSION}),)),
     ("GET", f"{API}/sessions/{{session_id}}"): Route((Call({("session_id",): SESSION}),)),
@@ -249,7 +298,8 @@ ROUTES: dict[tuple[str, str], Route] = {
         (Call({("tinker_path",): CHECKPOINT}, public_ref=("tinker_path",)),)
     ),
     ("GET", f"{API}/artifacts/{{token}}/{{relpath}}"): Route(
-        (Call({("token", "relpath"): LINK}, public_ref=("token", "relpath")),)
+        (Call({("token", "relpath"): LINK}, public_ref=("token", "relpath")),),
+        keyless="a link the server signed is the permission, as for any download",
     ),
 }
 
@@ -372,6 +422,8 @@ class World:
     a_headers: dict[str, str]
     b_headers: dict[str, str]
     a_tenant: str
+    a_key_id: str
+    b_key_id: str
     ours: dict[Kind, list[Obj]]  # A's objects, by kind
     mine: dict[Kind, str]  # B's own, to fill the references a call does not vary
     b_run_seqs: Iterator[int]
@@ -401,7 +453,9 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
     tenants = tenant_factory(database, settings)
     a, b = tenants(), tenants()
     a_headers, b_headers = {"X-API-Key": a.key}, {"X-API-Key": b.key}
-    world = World(client, database, a_headers, b_headers, a.tenant_id, {}, {}, iter(()))
+    world = World(
+        client, database, a_headers, b_headers, a.tenant_id, a.key_id, b.key_id, {}, {}, iter(())
+    )
 
     def session(headers: dict[str, str]) -> str:
         return str(world.post(headers, "create_session", {})["session_id"])
@@ -693,11 +747,45 @@ def test_foreign_references_answer_like_unknown_ones(world: World) -> None:
     assert _state_of_a(world) == before
 
 
+def _listing_query(query: dict[str, Marker]) -> dict[str, str]:
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    moments = {
+        Marker.DAY_BEFORE: hour - timedelta(days=1),
+        Marker.HOUR_AFTER: hour + timedelta(hours=1),
+    }
+    return {name: moments[marker].isoformat() for name, marker in query.items()}
+
+
 def test_listings_show_only_the_callers_own(world: World) -> None:
-    a_session = world.ours[SESSION][0].value
+    markers = {
+        "A": {Owner.SESSION: world.ours[SESSION][0].value, Owner.KEY: world.a_key_id},
+        "B": {Owner.SESSION: world.mine[SESSION], Owner.KEY: world.b_key_id},
+    }
+    headers = {"A": world.a_headers, "B": world.b_headers}
     for (method, path), route in ROUTES.items():
-        if route.lists_own:
-            response = world.client.request(method, path, headers=world.b_headers)
-            assert response.status_code == 200, (path, response.text)
-            assert a_session not in response.text, path
-            assert world.mine[SESSION] in response.text, path
+        if route.lists_own is None:
+            continue
+        for caller, other in (("A", "B"), ("B", "A")):
+            response = world.client.request(
+                method, path, params=_listing_query(route.listing_query), headers=headers[caller]
+            )
+            assert response.status_code == 200, (path, caller, response.text)
+            assert markers[caller][route.lists_own] in response.text, (path, caller)
+            for owner, value in markers[other].items():
+                assert value not in response.text, (path, caller, f"{other}'s {owner.value}")
+
+
+def test_routes_refuse_callers_without_a_key(world: World) -> None:
+    problems = []
+    for (method, template), route in ROUTES.items():
+        url = re.sub(r"\{(\w+)\}", "made-up", template)
+        for headers in ({}, {"X-API-Key": "tml-" + secrets.token_hex(16)}):
+            response = world.client.request(
+                method, url, json={} if method in ("POST", "PUT") else None, headers=headers
+            )
+            refused = response.status_code == 401
+            if route.keyless is None and not refused:
+                problems.append(f"{method} {template} {headers}: {response.status_code}, not 401")
+            if route.keyless is not None and refused:
+                problems.append(f"{method} {template} {headers}: 401, though {route.keyless}")
+    assert not problems, "\n".join(problems)
