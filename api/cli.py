@@ -721,6 +721,39 @@ def billing_push() -> None:
             f"[yellow]{len(report.too_old)} hours with usage are past Stripe's 35-day limit "
             "and were not pushed[/]"
         )
+    for push in report.unconfirmed:
+        err_console.print(
+            f"[yellow]{push.identifier} ({push.value:,} micro-units) was meant for Stripe long "
+            "enough ago that Stripe may have forgotten its identifier, and is not sent again: "
+            "run `treadle-server admin billing reconcile` over its hour, then "
+            f"`treadle-server admin billing resolve {push.identifier} --held` or --not-held[/]"
+        )
+
+
+@billing_cli.command("resolve")
+def billing_resolve(
+    identifier: Annotated[str, typer.Argument(help="The meter event's identifier.")],
+    held: Annotated[
+        bool,
+        typer.Option(
+            "--held/--not-held",
+            help="Stripe holds its value (mark it accepted), or does not (the next push sends it).",
+        ),
+    ],
+) -> None:
+    """Settle a meter event that `admin billing push` reports as unconfirmed, once `admin
+    billing reconcile` showed whether Stripe holds its value."""
+    from billing.stripe_parts import resolve
+
+    settings = Settings()
+    try:
+        push = resolve(_database(settings), SystemClock(), identifier, held=held)
+    except TreadleError as exc:
+        raise _fail(exc.message) from exc
+    console.print(
+        f"{identifier} ({push.value:,} micro-units) "
+        + ("marked as held by Stripe" if held else "forgotten; the next push sends its value")
+    )
 
 
 def _period_bound(text: str, option: str) -> datetime:

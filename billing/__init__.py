@@ -10,8 +10,9 @@
   session's spend limits at submission.
 - `storage`: hourly checkpoint storage metering; `jobs`: the periodic jobs that run it and the
   Stripe push. `reports`: what a tenant reads of its usage and costs.
-- `stripe_push`, `stripe_reconcile`: priced usage sent to Stripe meters exactly once, and
-  compared with Stripe's totals.
+- `stripe_push`, `stripe_parts`, `stripe_reconcile`: priced usage sent to Stripe meters
+  exactly once (each part recorded as intended before it is sent), and compared with Stripe's
+  totals.
 
 Imports `core` only. `stripe` is imported by `billing.stripe_gateway` alone (an import-linter
 contract); `billing.stripe_push` and `billing.stripe_reconcile` reach Stripe through it.

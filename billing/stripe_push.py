@@ -3,14 +3,16 @@
 One meter per usage kind, named `<prefix>_<kind>`, valued in micro-units of money. The unit of
 pushing is a *cell*: one tenant's usage of one kind in one hour at one price version. Once the
 hour has settled (ended, plus the settle delay, so the hour's usage is recorded), the cell's
-value is the ledger's sum minus what `stripe_meter_pushes` says Stripe already holds for it, and
-a positive remainder goes as the cell's next *part*: part 0 first, part n for usage recorded
-after n parts went.
+value is the ledger's sum minus every part `stripe_meter_pushes` records for it, and a positive
+remainder goes as the cell's next *part*: part 0 first, part n for usage recorded after n parts.
 
 Exactly once: a part's identifier is a function of the cell and the part number only, and a
-part is recorded only after Stripe accepted it, in one transaction per batch. A push that dies
-between Stripe's answer and the record sends the same identifiers again on its next run, and
-Stripe answers that it already holds them, which counts as accepted.
+part is recorded as intended (identifier and value) in a committed transaction before it is
+sent, then marked accepted (`billing.stripe_parts`). Each push first sends again, unchanged, the
+parts an earlier push intended and never marked accepted: Stripe answers that it already holds
+the ones it accepted, which counts as accepted. Usage recorded in between goes to a new part.
+A part intended so long ago that Stripe may have forgotten its identifier is not sent blindly;
+it is reported until the operator settles it with the reconciler's help.
 
 Stripe takes events up to 35 days old; older cells with value left are reported, not pushed.
 """
@@ -18,7 +20,6 @@ Stripe takes events up to 35 days old; older cells with value left are reported,
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -26,17 +27,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, select, text
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
+from billing import stripe_parts
 from billing.stripe_gateway import (
     MAX_EVENT_AGE_DAYS,
-    MAX_IDENTIFIER_LENGTH,
     MeterEvent,
     StripeGateway,
     StripeUnavailable,
 )
-from billing.tables import StripeMeterPush, UsageEvent
+from billing.stripe_parts import Cell, PendingPush, push_identifier
+from billing.tables import UsageEvent
 from core.clock import Clock
 from core.db import Database
 from core.settings import Settings
@@ -50,57 +51,40 @@ BATCH_SIZE = 100
 AGE_MARGIN = timedelta(hours=1)
 # Cells past Stripe's limit are reported by pushes for this long; later, by the reconciler only.
 TOO_OLD_REPORTED_FOR = timedelta(days=7)
+# Stripe keeps a meter event identifier unique for at least 24 hours. A part intended longer ago
+# than this (an hour's margin for a slow push) and never marked accepted is not sent again: if
+# Stripe accepted it and then forgot the identifier, the copy would count twice.
+RESEND_WITHIN = timedelta(hours=23)
 # pg_try_advisory_lock key: one push at a time across processes sharing a PostgreSQL database.
 _PUSH_LOCK_KEY = 0x7472_6561_646C_6531  # "treadle1"
 _local_locks: dict[str, threading.Lock] = {}
 _local_locks_guard = threading.Lock()
 
 
-@dataclass(frozen=True, order=True)
-class Cell:
-    tenant_id: str
-    kind: str
-    hour: datetime
-    price_id: int
-
-
-@dataclass(frozen=True)
-class PendingPush:
-    """A part of a cell to send: `value` micro-units as part `part` of `cell`."""
-
-    cell: Cell
-    stripe_customer_id: str
-    part: int
-    value: int
-    identifier: str
-
-
 @dataclass
 class PushReport:
+    # Parts Stripe accepted in this push (new ones and ones an earlier push intended).
     pushed: int = 0
     value_micros: int = 0
-    # Parts Stripe already held (a push repeated after a crash): recorded, not counted twice.
+    # Of them, parts an earlier push intended and did not see accepted, sent again unchanged.
+    resent: int = 0
+    # Parts Stripe already held (a push repeated after a crash): marked, not counted twice.
     repeats: int = 0
     # Cells past Stripe's age limit with value left, and that value.
     too_old: list[tuple[Cell, int]] = field(default_factory=list)
     # Events Stripe refused for good (no meter with that event name, a deleted customer):
-    # (identifier, Stripe's reason). They are tried again by the next push.
+    # (identifier, Stripe's reason). Their cells are computed again by the next push.
     refused: list[tuple[str, str]] = field(default_factory=list)
+    # Parts intended more than RESEND_WITHIN ago (or for hours now past Stripe's age limit) and
+    # never marked accepted: Stripe may hold them or not, so they are not sent; the operator
+    # settles each after a reconcile (`treadle-server admin billing resolve`).
+    unconfirmed: list[PendingPush] = field(default_factory=list)
     # False when another push held the lock, so this one did nothing.
     ran: bool = True
 
 
 def meter_event_name(prefix: str, kind: str) -> str:
     return f"{prefix}_{kind}"
-
-
-def push_identifier(cell: Cell, part: int) -> str:
-    """Deterministic, so a repeated push is recognized by Stripe. One too long for Stripe (a
-    tenant id far longer than Treadle makes) is shortened to a digest of itself."""
-    full = f"treadle-{cell.tenant_id}-{cell.kind}-{cell.hour:%Y%m%dT%H}-p{cell.price_id}-{part}"
-    if len(full) <= MAX_IDENTIFIER_LENGTH:
-        return full
-    return f"treadle-{hashlib.sha256(full.encode()).hexdigest()}"
 
 
 def settled_before(now: datetime, settle_seconds: float) -> datetime:
@@ -141,12 +125,13 @@ def push_usage(
     batch_size: int = BATCH_SIZE,
     after_accept: Callable[[list[PendingPush]], None] | None = None,
 ) -> PushReport:
-    """Push every settled cell's unpushed value for every tenant linked to a Stripe customer.
+    """Push every settled cell's unpushed value for every tenant linked to a Stripe customer,
+    after sending again the parts earlier pushes intended and did not see accepted.
 
-    `after_accept` runs after Stripe accepted a batch and before it is recorded (a test's crash
-    point). An event Stripe refuses is reported in `PushReport.refused` and the push goes on; a
-    Stripe that stays unreachable through the retries stops it: the parts accepted before are
-    recorded, and `StripeUnavailable` is raised.
+    `after_accept` runs after Stripe accepted a batch and before it is marked accepted (a
+    test's crash point). An event Stripe refuses is reported in `PushReport.refused` and the
+    push goes on; a Stripe that stays unreachable through the retries stops it: the parts
+    accepted before are marked, and `StripeUnavailable` is raised.
     """
     with _exclusive(database) as held:
         if not held:
@@ -155,36 +140,53 @@ def push_usage(
         now = clock.now()
         report = PushReport()
         with database.reader() as db:
+            again = _to_send_again(db, now, report)
             pending = _pending(db, now, settle_seconds, report)
+        for start in range(0, len(again), batch_size):
+            batch = again[start : start + batch_size]
+            accepted = _send(database, gateway, clock, batch, meter_prefix, report, after_accept)
+            report.resent += len(accepted)
         for start in range(0, len(pending), batch_size):
-            _push_batch(
-                database,
-                gateway,
-                clock,
-                pending[start : start + batch_size],
-                meter_prefix,
-                report,
-                after_accept,
-            )
-        if report.too_old:
-            log.warning(
-                "%d usage cells are older than Stripe's %d-day limit and were not pushed "
-                "(%d micro-units in all); bill them by hand: %s",
-                len(report.too_old),
-                MAX_EVENT_AGE_DAYS,
-                sum(value for _, value in report.too_old),
-                ", ".join(push_identifier(cell, 0) for cell, _ in report.too_old[:5]),
-            )
-        if report.pushed:
-            log.info(
-                "pushed %d meter events to Stripe (%d micro-units)",
-                report.pushed,
-                report.value_micros,
-            )
+            batch = stripe_parts.intend(database, clock, pending[start : start + batch_size])
+            _send(database, gateway, clock, batch, meter_prefix, report, after_accept)
+        _log_report(report)
         return report
 
 
-def _push_batch(
+def _log_report(report: PushReport) -> None:
+    if report.unconfirmed:
+        log.warning(
+            "%d meter events were meant for Stripe over %d hours ago and never seen accepted "
+            "(%d micro-units in all); Stripe may have forgotten their identifiers, so they are "
+            "not sent again. Run `treadle-server admin billing reconcile` over their hours, then "
+            "`treadle-server admin billing resolve IDENTIFIER --held` where Stripe holds the "
+            "value or `--not-held` to have the next push send it: %s",
+            len(report.unconfirmed),
+            RESEND_WITHIN // timedelta(hours=1),
+            sum(push.value for push in report.unconfirmed),
+            ", ".join(push.identifier for push in report.unconfirmed[:5]),
+        )
+    if report.too_old:
+        log.warning(
+            "%d usage cells are older than Stripe's %d-day limit and were not pushed "
+            "(%d micro-units in all); bill them by hand: %s",
+            len(report.too_old),
+            MAX_EVENT_AGE_DAYS,
+            sum(value for _, value in report.too_old),
+            ", ".join(push_identifier(cell, 0) for cell, _ in report.too_old[:5]),
+        )
+    if report.pushed:
+        log.info(
+            "pushed %d meter events to Stripe (%d micro-units; %d sent again after a push that "
+            "stopped, %d of them already held)",
+            report.pushed,
+            report.value_micros,
+            report.resent,
+            report.repeats,
+        )
+
+
+def _send(
     database: Database,
     gateway: StripeGateway,
     clock: Clock,
@@ -192,8 +194,11 @@ def _push_batch(
     meter_prefix: str,
     report: PushReport,
     after_accept: Callable[[list[PendingPush]], None] | None,
-) -> None:
+) -> list[PendingPush]:
+    """Send a batch of intended parts, then mark what Stripe accepted in one transaction; the
+    parts accepted."""
     accepted: list[PendingPush] = []
+    refused: list[PendingPush] = []
     try:
         for push in batch:
             try:
@@ -212,41 +217,32 @@ def _push_batch(
                 # One bad cell (a meter not created yet) must not hold up everyone's billing.
                 log.error("%s; the next push tries it again", exc.message)
                 report.refused.append((push.identifier, exc.message))
+                refused.append(push)
                 continue
             accepted.append(push)
             if not created:
                 report.repeats += 1
     finally:
-        # What Stripe accepted is recorded even when a later event of the batch failed.
+        # What Stripe accepted is marked even when a later event of the batch failed.
         if after_accept is not None:
             after_accept(accepted)
-        _record(database, clock, accepted)
+        stripe_parts.settle(database, clock, accepted, refused)
         report.pushed += len(accepted)
         report.value_micros += sum(push.value for push in accepted)
+    return accepted
 
 
-def _record(database: Database, clock: Clock, accepted: list[PendingPush]) -> None:
-    if not accepted:
-        return
-    now = clock.now()
-    rows = [
-        {
-            "identifier": push.identifier,
-            "tenant_id": push.cell.tenant_id,
-            "stripe_customer_id": push.stripe_customer_id,
-            "kind": push.cell.kind,
-            "hour": push.cell.hour,
-            "price_id": push.cell.price_id,
-            "part": push.part,
-            "value_micros": push.value,
-            "pushed_at": now,
-        }
-        for push in accepted
-    ]
-    with database.transaction() as db:
-        insert = postgresql.insert if not database.is_sqlite else sqlite.insert
-        # A concurrent push that sent the same part recorded it already: the rows are equal.
-        db.execute(insert(StripeMeterPush).values(rows).on_conflict_do_nothing())
+def _to_send_again(db: OrmSession, now: datetime, report: PushReport) -> list[PendingPush]:
+    """The parts earlier pushes intended and did not see accepted, to send again unchanged:
+    those Stripe may have forgotten, or would refuse as too old, go to the report instead."""
+    oldest = now - timedelta(days=MAX_EVENT_AGE_DAYS) + AGE_MARGIN
+    again: list[PendingPush] = []
+    for intent in stripe_parts.unaccepted(db):
+        if intent.intended_at < now - RESEND_WITHIN or intent.push.cell.hour < oldest:
+            report.unconfirmed.append(intent.push)
+        else:
+            again.append(intent.push)
+    return again
 
 
 def _pending(
@@ -264,23 +260,23 @@ def _pending(
         if customer is None:  # not selected; for the type checker
             continue
         ledger = ledger_cells(db, tenant_id, reported_from, before)
-        pushed = pushed_cells(db, tenant_id, reported_from, before)
+        recorded = stripe_parts.recorded_cells(db, tenant_id, reported_from, before)
         for cell in sorted(ledger):
-            value_pushed, parts = pushed.get(cell, (0, 0))
-            left = ledger[cell] - value_pushed
+            value_recorded, part = recorded.get(cell, (0, 0))
+            left = ledger[cell] - value_recorded
             if left < 0:
                 log.warning(
-                    "Stripe holds %d micro-units more than the ledger for %s; the reconciler "
-                    "reports it",
+                    "Stripe was sent %d micro-units more than the ledger holds for %s; the "
+                    "reconciler reports it",
                     -left,
-                    push_identifier(cell, parts),
+                    push_identifier(cell, part),
                 )
             if left <= 0:
                 continue
             if cell.hour < oldest:
                 report.too_old.append((cell, left))
                 continue
-            pending.append(PendingPush(cell, customer, parts, left, push_identifier(cell, parts)))
+            pending.append(PendingPush(cell, customer, part, left, push_identifier(cell, part)))
     return pending
 
 
@@ -306,31 +302,6 @@ def ledger_cells(
     return {
         Cell(tenant_id, kind, hour, int(price_id or 0)): int(total or 0)
         for kind, hour, price_id, total in rows
-    }
-
-
-def pushed_cells(
-    db: OrmSession, tenant_id: str, since: datetime, before: datetime
-) -> dict[Cell, tuple[int, int]]:
-    """What Stripe accepted per cell for hours in [since, before): (value, parts)."""
-    rows = db.execute(
-        select(
-            StripeMeterPush.kind,
-            StripeMeterPush.hour,
-            StripeMeterPush.price_id,
-            func.sum(StripeMeterPush.value_micros),
-            func.count(),
-        )
-        .where(
-            StripeMeterPush.tenant_id == tenant_id,
-            StripeMeterPush.hour >= since,
-            StripeMeterPush.hour < before,
-        )
-        .group_by(StripeMeterPush.kind, StripeMeterPush.hour, StripeMeterPush.price_id)
-    )
-    return {
-        Cell(tenant_id, kind, hour, int(price_id)): (int(total), int(parts))
-        for kind, hour, price_id, total, parts in rows
     }
 
 

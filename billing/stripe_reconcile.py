@@ -35,7 +35,7 @@ class MeterBalance:
     event_name: str
     stripe_micros: int
     ledger_micros: int
-    recorded_micros: int  # what `stripe_meter_pushes` says Stripe accepted
+    recorded_micros: int  # what `stripe_meter_pushes` marks as accepted by Stripe
     meter_found: bool
 
     @property
@@ -132,7 +132,11 @@ def _recorded_sums(db: OrmSession, since: datetime, until: datetime) -> dict[tup
         select(
             StripeMeterPush.tenant_id, StripeMeterPush.kind, func.sum(StripeMeterPush.value_micros)
         )
-        .where(StripeMeterPush.hour >= since, StripeMeterPush.hour < until)
+        .where(
+            StripeMeterPush.hour >= since,
+            StripeMeterPush.hour < until,
+            StripeMeterPush.accepted_at.is_not(None),
+        )
         .group_by(StripeMeterPush.tenant_id, StripeMeterPush.kind)
     )
     return {(tenant_id, kind): int(total or 0) for tenant_id, kind, total in rows}

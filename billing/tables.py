@@ -1,5 +1,5 @@
 """Billing tables: the append-only usage ledger, the price book, hourly rollups, per-period
-spend counters and the record of what reached Stripe.
+spend counters and the record of what was sent to Stripe.
 
 Money is integer micro-units (1e-6 of the currency unit), never floats.
 """
@@ -118,16 +118,28 @@ class TenantSpend(Base):
 
 
 class StripeMeterPush(Base):
-    """A meter event Stripe accepted: written only after Stripe's answer, so a crash between
-    the two repeats the push, whose identifier makes Stripe drop the copy.
+    """A part of a cell's usage meant for Stripe: recorded as intended (`intended_at`, its
+    identifier and value fixed) in a committed transaction before it is sent, and marked
+    accepted (`accepted_at`) once Stripe accepted it. A part intended but not accepted is sent
+    again with the same identifier and value, never recomputed, so Stripe drops a copy it holds
+    and usage recorded later goes to a new part.
 
     One usage kind is one Stripe meter, valued in micro-units of money. A (tenant, kind,
     hour, price) cell is pushed in parts: part 0 when the hour has settled, a later part only
-    for usage that arrived after that.
+    for usage that arrived after the earlier parts were intended.
     """
 
     __tablename__ = "stripe_meter_pushes"
-    __table_args__ = (UniqueConstraint("tenant_id", "kind", "hour", "price_id", "part"),)
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "kind", "hour", "price_id", "part"),
+        # Each push looks for the parts not accepted yet: few rows among all ever pushed.
+        Index(
+            "ix_stripe_meter_pushes_unaccepted",
+            "intended_at",
+            sqlite_where=text("accepted_at IS NULL"),
+            postgresql_where=text("accepted_at IS NULL"),
+        ),
+    )
 
     identifier: Mapped[str] = mapped_column(String(200), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
@@ -137,4 +149,6 @@ class StripeMeterPush(Base):
     price_id: Mapped[int] = mapped_column(BigInteger)
     part: Mapped[int] = mapped_column(Integer)
     value_micros: Mapped[int] = mapped_column(BigInteger)
-    pushed_at: Mapped[datetime]
+    intended_at: Mapped[datetime]
+    # NULL until Stripe accepted the part (or answered that it already held its identifier).
+    accepted_at: Mapped[datetime | None]

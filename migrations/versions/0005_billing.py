@@ -1,5 +1,5 @@
 """Billing: a versioned price book, priced usage events, hourly rollups, spend counters and
-the record of meter events Stripe accepted.
+the record of meter events meant for Stripe (each intended before it is sent).
 
 `prices` and `usage_rollups` were created by 0001 but never used, so they are recreated in
 their new shape. Existing usage events keep their quantities, get the hour they were recorded
@@ -114,7 +114,8 @@ def upgrade() -> None:
         sa.Column("price_id", sa.BigInteger(), nullable=False),
         sa.Column("part", sa.Integer(), nullable=False),
         sa.Column("value_micros", sa.BigInteger(), nullable=False),
-        sa.Column("pushed_at", _TIME, nullable=False),
+        sa.Column("intended_at", _TIME, nullable=False),
+        sa.Column("accepted_at", _TIME, nullable=True),
         sa.ForeignKeyConstraint(
             ["tenant_id"], ["tenants.id"], name=op.f("fk_stripe_meter_pushes_tenant_id_tenants")
         ),
@@ -127,6 +128,13 @@ def upgrade() -> None:
             "part",
             name=op.f("uq_stripe_meter_pushes_tenant_id_kind_hour_price_id_part"),
         ),
+    )
+    op.create_index(
+        "ix_stripe_meter_pushes_unaccepted",
+        "stripe_meter_pushes",
+        ["intended_at"],
+        sqlite_where=sa.text("accepted_at IS NULL"),
+        postgresql_where=sa.text("accepted_at IS NULL"),
     )
 
     with op.batch_alter_table("usage_events", schema=None) as batch_op:
@@ -228,6 +236,7 @@ def downgrade() -> None:
         batch_op.drop_column("price_id")
         batch_op.drop_column("api_key_id")
         batch_op.alter_column("operation_id", existing_type=sa.String(length=64), nullable=False)
+    op.drop_index("ix_stripe_meter_pushes_unaccepted", table_name="stripe_meter_pushes")
     op.drop_table("stripe_meter_pushes")
     op.drop_table("tenant_spend")
     op.drop_index("ix_usage_rollups_session_id", table_name="usage_rollups")

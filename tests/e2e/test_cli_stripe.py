@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from billing import stripe_parts
+from billing.stripe_parts import Cell, PendingPush, push_identifier
 from core import tenants
+from core.clock import FakeClock
 from core.tables import AuditLog
 from tests.fakes import stripe_server
 from tests.fakes.stripe_server import FakeStripe
@@ -84,3 +87,40 @@ def test_link_push_and_reconcile(tmp_path: Path, fake: FakeStripe) -> None:
     assert differing.returncode == 1
     assert "differs" in differing.stdout
     assert "+1,000" in differing.stdout
+
+
+def test_an_unconfirmed_meter_event_is_reported_and_resolved(
+    tmp_path: Path, fake: FakeStripe
+) -> None:
+    stripe = {"TREADLE_STRIPE_API_KEY": stripe_server.API_KEY, "TREADLE_STRIPE_API_BASE": fake.url}
+    assert _run(tmp_path, "migrate").returncode == 0
+    assert _run(tmp_path, "admin", "tenants", "create", "acme").returncode == 0
+    assert _run(tmp_path, "admin", "tenants", "link-stripe", "acme", "cus_Acme").returncode == 0
+    ledger = Ledger(f"sqlite:///{tmp_path / 'data' / 'treadle.db'}")
+    with ledger.database.reader() as db:
+        acme = tenants.find_tenant(db, "acme").id
+    hour = hour_of(datetime.now(UTC)) - timedelta(hours=2)
+    ledger.usage(acme, "training", hour, 300)
+    # A push that died a day ago, after recording its intent: Stripe may have forgotten it.
+    cell = Cell(acme, "training", hour, ledger.price)
+    part = PendingPush(cell, "cus_Acme", 0, 300, push_identifier(cell, 0))
+    stripe_parts.intend(ledger.database, FakeClock(datetime.now(UTC) - timedelta(days=1)), [part])
+
+    pushed = _run(tmp_path, "admin", "billing", "push", **stripe)
+    assert pushed.returncode == 0, pushed.stderr
+    assert "pushed 0 meter events" in pushed.stdout
+    assert f"billing resolve {part.identifier} --held" in " ".join(pushed.stderr.split())
+    since = (hour - timedelta(days=1)).date().isoformat()
+    short = _run(tmp_path, "admin", "billing", "reconcile", "--since", since, **stripe)
+    assert short.returncode == 1 and "-300" in short.stdout
+
+    unknown = _run(tmp_path, "admin", "billing", "resolve", "treadle-nothing", "--held")
+    assert unknown.returncode == 2
+    assert "awaits acceptance" in unknown.stderr
+    resolved = _run(tmp_path, "admin", "billing", "resolve", part.identifier, "--not-held")
+    assert resolved.returncode == 0, resolved.stderr
+    assert "the next push sends its value" in resolved.stdout
+    assert "pushed 1 meter events" in _run(tmp_path, "admin", "billing", "push", **stripe).stdout
+    assert fake.total("treadle_training", "cus_Acme") == 300
+    matching = _run(tmp_path, "admin", "billing", "reconcile", "--since", since, **stripe)
+    assert matching.returncode == 0, matching.stdout + matching.stderr

@@ -13,11 +13,13 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import select
 
-from billing import jobs
+from billing import jobs, stripe_parts
 from billing.stripe_gateway import RetryPolicy, StripeGateway, StripeUnavailable
-from billing.stripe_push import PendingPush, PushReport, push_usage, running_push
+from billing.stripe_parts import PendingPush
+from billing.stripe_push import RESEND_WITHIN, PushReport, push_usage, running_push
 from billing.stripe_reconcile import reconcile
 from billing.tables import StripeMeterPush
+from core.errors import NotFound
 from core.settings import Settings
 from tests.fakes import stripe_server
 from tests.fakes.stripe_server import FakeStripe
@@ -58,10 +60,24 @@ def _assert_stripe_matches_ledger(ledger: Ledger, fake: FakeStripe) -> None:
             assert fake.total(f"treadle_{kind}", customer) == ledger.settled_sum(tenant_id, kind)
 
 
-def _recorded(ledger: Ledger) -> list[tuple[str, int, int]]:
+def _recorded(ledger: Ledger, *, accepted: bool = True) -> list[tuple[str, int, int]]:
+    """The parts recorded as accepted by Stripe, or as intended and not accepted."""
+    marked = StripeMeterPush.accepted_at.is_not(None)
     with ledger.database.reader() as db:
-        rows = db.scalars(select(StripeMeterPush).order_by(StripeMeterPush.identifier))
+        rows = db.scalars(
+            select(StripeMeterPush)
+            .where(marked if accepted else ~marked)
+            .order_by(StripeMeterPush.identifier)
+        )
         return [(row.identifier, row.part, row.value_micros) for row in rows]
+
+
+class Killed(Exception):
+    """The pushing process dies here."""
+
+
+def _die_after_first_batch(accepted: list[PendingPush]) -> None:
+    raise Killed(f"process killed after Stripe accepted {len(accepted)} events")
 
 
 def test_settled_hours_are_pushed_once_and_equal_the_ledger(
@@ -103,19 +119,15 @@ def test_a_push_killed_after_stripe_accepted_a_batch_bills_nothing_twice(
         ledger.usage(acme, "training", start - timedelta(hours=hours_ago), 1_000 + hours_ago)
         ledger.usage(acme, "sampling_prefill", start - timedelta(hours=hours_ago), 7 * hours_ago)
 
-    class Killed(Exception):
-        pass
-
-    def die_after_first_batch(accepted: list[PendingPush]) -> None:
-        raise Killed(f"process killed after Stripe accepted {len(accepted)} events")
-
     with pytest.raises(Killed):
-        _push(ledger, fake, batch_size=4, after_accept=die_after_first_batch)
+        _push(ledger, fake, batch_size=4, after_accept=_die_after_first_batch)
     assert len(fake.identifiers()) == 4  # Stripe holds the batch …
-    assert _recorded(ledger) == []  # … which the database never recorded
+    assert _recorded(ledger) == []  # … which the database never marked accepted
+    assert len(_recorded(ledger, accepted=False)) == 4
 
     report = _push(ledger, fake, batch_size=4)
-    assert (report.pushed, report.repeats) == (10, 4)
+    assert (report.pushed, report.resent, report.repeats) == (10, 4, 4)
+    assert _recorded(ledger, accepted=False) == []
     _assert_stripe_matches_ledger(ledger, fake)
     assert len(_recorded(ledger)) == 10
     assert _push(ledger, fake).pushed == 0
@@ -176,7 +188,9 @@ def test_stripe_down_past_the_retries_keeps_what_it_accepted_and_the_next_push_f
     with pytest.raises(StripeUnavailable, match="after 3 attempts"):
         push_usage(ledger.database, gateway, ledger.clock)
     assert len(_recorded(ledger)) == 1
-    assert _push(ledger, fake).pushed == 2
+    assert len(_recorded(ledger, accepted=False)) == 2
+    report = _push(ledger, fake)
+    assert (report.pushed, report.resent, report.repeats) == (2, 2, 0)
     _assert_stripe_matches_ledger(ledger, fake)
 
 
@@ -190,6 +204,91 @@ def test_late_usage_for_a_pushed_hour_goes_as_part_1(ledger: Ledger, fake: FakeS
     assert [(part, value) for _, part, value in _recorded(ledger)] == [(0, 4_000), (1, 250)]
     assert fake.identifiers()[-1].endswith("-1")
     _assert_stripe_matches_ledger(ledger, fake)
+
+
+def test_usage_recorded_between_a_crash_after_accept_and_the_restart_goes_as_part_1(
+    ledger: Ledger, fake: FakeStripe
+) -> None:
+    acme = ledger.tenant("cus_Acme")
+    hour = hour_of(ledger.clock.now()) - timedelta(hours=2)
+    ledger.usage(acme, "training", hour, 4_000)
+    with pytest.raises(Killed):
+        _push(ledger, fake, after_accept=_die_after_first_batch)
+    ledger.usage(acme, "training", hour, 250)  # recorded late, before the pusher restarts
+
+    report = _push(ledger, fake)
+    assert (report.pushed, report.resent, report.repeats) == (2, 1, 1)
+    held = [(e.identifier[-2:], e.value) for e in fake.events]
+    assert held == [("-0", 4_000), ("-1", 250)]
+    assert [(part, value) for _, part, value in _recorded(ledger)] == [(0, 4_000), (1, 250)]
+    _assert_stripe_matches_ledger(ledger, fake)
+    assert fake.total("treadle_training", "cus_Acme") == 4_250
+    assert _push(ledger, fake).pushed == 0
+
+
+def test_a_refused_part_is_forgotten_and_one_intended_but_never_sent_keeps_its_value(
+    ledger: Ledger, fake: FakeStripe
+) -> None:
+    acme = ledger.tenant("cus_Acme")
+    hour = hour_of(ledger.clock.now()) - timedelta(hours=2)
+    ledger.usage(acme, "training", hour, 900)
+    fake.fail_next(1, status=400)  # refused for good: the intent is forgotten, not the usage
+    assert _push(ledger, fake).refused != []
+    assert _recorded(ledger, accepted=False) == []
+
+    # The process dies after recording its intent and before Stripe sees the event.
+    gateway = _gateway(fake)
+
+    def die_before_sending(event: object) -> bool:
+        raise Killed("process killed before sending")
+
+    gateway.send_meter_event = die_before_sending  # type: ignore[method-assign]
+    with pytest.raises(Killed):
+        push_usage(ledger.database, gateway, ledger.clock)
+    assert [(p, v) for _, p, v in _recorded(ledger, accepted=False)] == [(0, 900)]
+    ledger.usage(acme, "training", hour, 11)
+
+    report = _push(ledger, fake)
+    assert (report.pushed, report.resent, report.repeats) == (2, 1, 0)
+    assert [(e.identifier[-2:], e.value) for e in fake.events] == [("-0", 900), ("-1", 11)]
+    _assert_stripe_matches_ledger(ledger, fake)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_part_unconfirmed_past_stripes_identifier_window_waits_for_the_operator(
+    ledger: Ledger, fake: FakeStripe, held: bool
+) -> None:
+    acme = ledger.tenant("cus_Acme")
+    hour = hour_of(ledger.clock.now()) - timedelta(hours=2)
+    ledger.usage(acme, "training", hour, 5_000)
+    if held:
+        with pytest.raises(Killed):
+            _push(ledger, fake, after_accept=_die_after_first_batch)
+    else:
+        fake.fail_next(RetryPolicy().attempts, status=503)
+        with pytest.raises(StripeUnavailable):
+            _push(ledger, fake)
+    assert len(fake.events) == (1 if held else 0)
+    ledger.clock.advance(RESEND_WITHIN.total_seconds() + 60)
+    ledger.usage(acme, "training", hour, 70)
+
+    # Stripe may have forgotten the identifier: the part is reported, not sent; the late usage
+    # still goes, as part 1.
+    report = _push(ledger, fake)
+    assert [(p.part, p.value) for p in report.unconfirmed] == [(0, 5_000)]
+    assert (report.pushed, report.resent) == (1, 0)
+    assert len(fake.events) == (2 if held else 1)
+    assert [p.part for p in _push(ledger, fake).unconfirmed] == [0]
+
+    identifier = report.unconfirmed[0].identifier
+    stripe_parts.resolve(ledger.database, ledger.clock, identifier, held=held)
+    with pytest.raises(NotFound, match="awaits acceptance"):
+        stripe_parts.resolve(ledger.database, ledger.clock, identifier, held=held)
+    again = _push(ledger, fake)
+    assert again.unconfirmed == []
+    assert again.pushed == (0 if held else 1)
+    _assert_stripe_matches_ledger(ledger, fake)
+    assert len(fake.identifiers()) == len(set(fake.identifiers()))
 
 
 def test_zero_value_cells_and_unpriced_usage_are_not_pushed(
