@@ -126,12 +126,24 @@ def session_spend(db: OrmSession, session_id: str) -> int:
     return int(total or 0)
 
 
+GAP_FILL_SPAN = 64
+"""How far below a waiting op a refused-over-the-limit op may sit and still be admitted: the
+chunks of one large `forward_backward` call, which the tinker SDK sends out of order, stay well
+within it. The bound keeps an op parked far ahead from opening the run to unlimited spend."""
+
+
 def _fills_gap(db: OrmSession, target_id: str, seq_id: int | None) -> bool:
-    """True when the op's run already accepted a later seq: the op fills a gap before it."""
+    """True when the op's run holds a queued op at most `GAP_FILL_SPAN` seqs later, waiting for
+    this one: refusing it would stall that op until its gap is given up."""
     if seq_id is None:
         return False
-    later = select(Operation.id).where(Operation.target_id == target_id, Operation.seq_id > seq_id)
-    return db.scalar(later.limit(1)) is not None
+    waiting = select(Operation.id).where(
+        Operation.target_id == target_id,
+        Operation.status == OpStatus.QUEUED,
+        Operation.seq_id > seq_id,
+        Operation.seq_id <= seq_id + GAP_FILL_SPAN,
+    )
+    return db.scalar(waiting.limit(1)) is not None
 
 
 def dollars(micros: int) -> str:

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from billing import estimate
+from billing.limits import GAP_FILL_SPAN
 from billing.spend import add_spend
 from billing.tables import Price, UsageEvent
 from core import tenants
@@ -112,6 +113,16 @@ def test_a_gap_below_an_accepted_seq_is_filled_over_the_limit(rows: Rows) -> Non
         _submit(rows, run, 4)
     _submit(rows, run, 1)  # below seq 3: refusing it would stall 2 and 3 behind the gap
     assert _reserved(rows, run) == {1: TOKENS, 2: TOKENS, 3: TOKENS}
+
+
+def test_an_op_parked_far_ahead_does_not_open_the_run_past_its_limit(rows: Rows) -> None:
+    run = rows.run(_limited(rows, monthly=150))
+    _submit(rows, run, 1)
+    _submit(rows, run, 10**9, OpKind.OPTIM_STEP)  # parked while under the limit
+    _submit(rows, run, 2)  # crosses the limit
+    with pytest.raises(SpendLimitReached):
+        _submit(rows, run, 3)  # far below the parked op: not a chunk of a call it waits for
+    assert GAP_FILL_SPAN < 10**9 - 3
 
 
 def test_a_refusal_leaves_no_trace(rows: Rows) -> None:
