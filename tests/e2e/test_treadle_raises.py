@@ -219,6 +219,9 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("RestClient.end_session", "NotFoundError"): lambda w: w.rest.end_session(
         "no-such-session"
     ).result(timeout=60),
+    ("RestClient.estimate_cost", "BadRequestError"): lambda w: w.rest.estimate_cost(
+        "treadle/tiny-1m", {"training": -1}
+    ).result(timeout=60),
 }
 
 
