@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -75,3 +77,28 @@ def start_server(root: Path, **settings_overrides: object) -> Iterator[LiveServe
         yield LiveServer(
             base_url, state.database, tenant_factory(state.database, state.settings), app
         )
+
+
+def tinker_cli(base_url: str, api_key: str, home: Path, *args: str) -> Any:
+    """Run the official `tinker` CLI in this process against `base_url` (a subprocess spends
+    seconds importing tinker) and return its JSON output.
+
+    The SDK keeps one session-less connection per (base URL, API key) *argument* for the life of
+    the process, and the CLI passes neither (it reads them from the environment), so the first
+    invocation's server would serve every later one: the entry is dropped around each run.
+    """
+    from click.testing import CliRunner
+    from tinker.cli.__main__ import main_cli
+    from tinker.lib.internal_client_holder import sessionless_holder_cache
+
+    env = {"HOME": str(home), "TINKER_BASE_URL": base_url, "TINKER_API_KEY": api_key}
+    holders = sessionless_holder_cache._holders
+    holders.pop((None, None), None)
+    try:
+        result = CliRunner().invoke(
+            main_cli, ["-f", "json", *args], env=env, catch_exceptions=False
+        )
+    finally:
+        holders.pop((None, None), None)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)

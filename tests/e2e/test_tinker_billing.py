@@ -4,7 +4,6 @@ changes; each tenant sees only its own."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -14,17 +13,15 @@ from typing import Any
 import httpx
 import pytest
 import tinker
-from click.testing import CliRunner
 from sqlalchemy import func, select
 from tinker import types
-from tinker.cli.__main__ import main_cli
 
 from billing.tables import UsageEvent
 from core import apikeys, tenants
 from core.clock import SystemClock
 from core.tables import Tenant
 from tests.scenarios import MODEL, sft_datum
-from tests.server import LiveServer
+from tests.server import LiveServer, tinker_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -123,14 +120,7 @@ def test_current_checkpoint_storage(world: World) -> None:
 
 
 def _tinker_cli(world: World, home: Path, *args: str) -> Any:
-    env = {
-        "HOME": str(home),
-        "TINKER_BASE_URL": world.server.base_url,
-        "TINKER_API_KEY": world.owner_key,
-    }
-    result = CliRunner().invoke(main_cli, ["-f", "json", *args], env=env, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    return tinker_cli(world.server.base_url, world.owner_key, home, *args)
 
 
 def test_tinker_billing_cli(world: World, tmp_path: Path) -> None:

@@ -15,15 +15,13 @@ from typing import Any
 import httpx
 import pytest
 import tinker
-from click.testing import CliRunner
 from sqlalchemy import select
 from tinker import types
-from tinker.cli.__main__ import main_cli
 
 from core.signing import sign_download
 from core.tables import ModelVersion
 from tests.scenarios import MODEL, sft_datum
-from tests.server import LiveServer
+from tests.server import LiveServer, tinker_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -335,15 +333,7 @@ def test_bad_input_gets_clear_errors_and_changes_nothing(world: World) -> None:
 
 
 def _tinker_cli(world: World, home: Path, *args: str) -> Any:
-    """Run the `tinker` CLI in this process (a subprocess spends seconds importing tinker)."""
-    env = {
-        "HOME": str(home),
-        "TINKER_BASE_URL": world.server.base_url,
-        "TINKER_API_KEY": world.owner_key,
-    }
-    result = CliRunner().invoke(main_cli, ["-f", "json", *args], env=env, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    return tinker_cli(world.server.base_url, world.owner_key, home, *args)
 
 
 def test_tinker_cli_lists_and_downloads_checkpoints(world: World, tmp_path: Path) -> None:
