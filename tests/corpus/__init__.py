@@ -125,6 +125,11 @@ def valid_bodies(ids: Ids, seq_ids: Iterator[int]) -> dict[str, dict[str, Any]]:
             "num_samples": 1,
         },
         "retrieve_future": {"request_id": ids.request_id},
+        "billing/estimate": {
+            "base_model": "treadle/tiny-1m",
+            "usage": {"training": 1000, "sampling_prefill": 200, "sampling_sample": 50},
+            "cached_prefill_tokens": 100,
+        },
         "telemetry": {
             "events": [],
             "platform": "linux",

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.unit
             "this key may not use the admin API",
             treadle.PermissionDeniedError,
         ),
-        (402, None, "spend cap reached", treadle.QuotaExceededError),
+        (402, None, "spend cap reached", treadle.SpendLimitReachedError),
         (404, "not_found", "training run 'x' not found", treadle.NotFoundError),
         (
             404,
