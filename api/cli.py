@@ -10,7 +10,7 @@ import errno
 import logging
 import shlex
 import socket
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
 
@@ -564,7 +564,8 @@ def prices_set(
         str | None,
         typer.Option(
             help="When it takes effect, ISO 8601 with a zone (e.g. 2027-01-01T00:00Z); "
-            "default: the first whole minute at least a minute from now. Never sooner."
+            "default: as soon as allowed, the first whole minute at least "
+            "TREADLE_PRICE_DELAY_SECONDS (60) from now. Never sooner."
         ),
     ] = None,
 ) -> None:
@@ -573,7 +574,8 @@ def prices_set(
     cached_micros = None if cached is None else _micros(cached, "--cached")
     effective_from = None if effective is None else _utc_time(effective)
     try:
-        with _database(Settings()).transaction() as db:
+        settings = Settings()
+        with _database(settings).transaction() as db:
             rate = pricebook.set_price(
                 db,
                 SystemClock(),
@@ -582,6 +584,7 @@ def prices_set(
                 unit_micros=unit_micros,
                 cached_unit_micros=cached_micros,
                 effective_from=effective_from,
+                delay=timedelta(seconds=settings.price_delay_seconds),
             )
     except TreadleError as exc:
         raise _fail(exc.message) from exc

@@ -1,6 +1,6 @@
 """Writing and listing the price book: versions are only ever added, never edited.
 
-A new version takes effect at a whole minute no sooner than `PRICE_DELAY` after it is set
+A new version takes effect no sooner than a delay after it is set (a minute by default)
 (`billing.prices.earliest_effective`), so every process — each holding a `PriceCache` — has
 read it before the first usage it prices happens. An effective time before that is refused.
 Reading the version in force for a usage event is `billing.prices`'.
@@ -8,12 +8,18 @@ Reading the version in force for a usage event is `billing.prices`'.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
-from billing.prices import ANY_MODEL, PRICE_DELAY, TOKEN_KINDS, Rate, earliest_effective
+from billing.prices import (
+    ANY_MODEL,
+    DEFAULT_PRICE_DELAY,
+    TOKEN_KINDS,
+    Rate,
+    earliest_effective,
+)
 from billing.tables import USAGE_KINDS, Price
 from core.clock import Clock
 from core.errors import InvalidInput
@@ -29,6 +35,7 @@ def set_price(
     cached_unit_micros: int | None = None,
     effective_from: datetime | None = None,
     created_by: str = "operator",
+    delay: timedelta = DEFAULT_PRICE_DELAY,
 ) -> Rate:
     """Add a version of the price of `kind` on `base_model` ("*": every model without its own),
     in force from `effective_from` (default: as soon as allowed) until a later version's."""
@@ -43,7 +50,7 @@ def set_price(
             f"only sampling_prefill has a cached rate; drop the cached price for {kind}"
         )
     now = clock.now()
-    soonest = earliest_effective(now)
+    soonest = earliest_effective(now, delay)
     if effective_from is None:
         effective_from = soonest
     if effective_from.tzinfo is None:
@@ -51,8 +58,8 @@ def set_price(
     if effective_from < soonest:
         raise InvalidInput(
             f"effective time {effective_from.isoformat()} is too soon: a price version takes "
-            f"effect no sooner than {int(PRICE_DELAY.total_seconds())} s after it is set, on a "
-            "whole minute, so that every server process has read it before it applies (and "
+            f"effect no sooner than {delay.total_seconds():g} s after it is set, so that every "
+            "server process has read it before it applies (and "
             "usage already recorded is never repriced); pass an effective time at or after "
             f"{soonest.isoformat()}, or none for that time"
         )

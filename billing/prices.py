@@ -5,10 +5,10 @@ Units (integer micro-units of money): token kinds per million tokens, with a sep
 cached prefill tokens; `checkpoint` per checkpoint; `storage` per GB-month, charged per hour
 held (a month is 730 hours). Amounts round half up to a whole micro-unit per event.
 
-A version takes effect no sooner than `PRICE_DELAY` after it was set, on a whole minute
-(`earliest_effective`), so a process that read the book within `PriceCache.FRESH` of an event's
-time already holds every version that can be in force at it: that is what keeps `PriceCache`
-exact. Writing versions is `billing.pricebook`'s.
+A version takes effect no sooner than a delay after it was set (`earliest_effective`; a minute
+by default, `TREADLE_PRICE_DELAY_SECONDS`), so a process that read the book within
+`PriceCache.FRESH` of an event's time already holds every version that can be in force at it:
+that is what keeps `PriceCache` exact. Writing versions is `billing.pricebook`'s.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ TOKEN_KINDS = ("training", "sampling_prefill", "sampling_sample")
 HOURS_PER_MONTH = 730
 BYTES_PER_GB = 10**9
 
-PRICE_DELAY = timedelta(seconds=60)
-"""The least time between setting a price version and its taking effect."""
+DEFAULT_PRICE_DELAY = timedelta(seconds=60)
+"""The least time between setting a price version and its taking effect, unless configured."""
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,13 @@ def rate_in_force(db: OrmSession, base_model: str, kind: str, at: datetime) -> R
     return None
 
 
-def earliest_effective(now: datetime) -> datetime:
-    """The soonest a version set at `now` may take effect: the first whole minute at least
-    `PRICE_DELAY` later."""
-    soonest = now + PRICE_DELAY
-    minute = soonest.replace(second=0, microsecond=0)
-    return minute if minute == soonest else minute + timedelta(minutes=1)
+def earliest_effective(now: datetime, delay: timedelta = DEFAULT_PRICE_DELAY) -> datetime:
+    """The soonest a version set at `now` may take effect: `delay` later, rounded up to a whole
+    minute (to a whole second for a delay under a minute)."""
+    soonest = now + delay
+    step = timedelta(minutes=1) if delay >= timedelta(minutes=1) else timedelta(seconds=1)
+    floor = soonest - (soonest - datetime.min.replace(tzinfo=soonest.tzinfo)) % step
+    return floor if floor == soonest else floor + step
 
 
 class PriceCache:
@@ -104,12 +105,13 @@ class PriceCache:
 
     A copy read at time L answers exactly for any time up to L + FRESH: a version missing from
     it was set after L less the commit's lag, so (see `earliest_effective`) it takes effect after
-    L + PRICE_DELAY - lag, which is later while the lag (commit time and clock skew between
-    processes) stays under PRICE_DELAY - FRESH. Later times read the book again. One per process
-    (or per worker host); thread-safe.
+    L + delay - lag, which is later while the lag (commit time and clock skew between processes)
+    stays under the delay less FRESH. Later times read the book again (a table of a few rows,
+    so once a second costs nothing measurable). One per process (or per worker host);
+    thread-safe.
     """
 
-    FRESH = timedelta(seconds=30)
+    FRESH = timedelta(seconds=1)
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock

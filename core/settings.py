@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     # How long the tinker SDK waits out 402s (a spend limit reached) before it gives up: sent
     # as `billing_exception_max_pause_duration_sec` by /client/config.
     spend_limit_pause_seconds: int = Field(default=3600, ge=0)
+    # A new price version takes effect no sooner than this after it is set (`billing.pricebook`),
+    # so every process's price cache has read it before it applies: keep it well above the
+    # clock skew between machines.
+    price_delay_seconds: float = Field(default=60.0, ge=5)
     # Checkpoint storage is metered per whole hour (`billing.storage`); this often, at most.
     storage_meter_seconds: float = Field(default=300.0, gt=0)
 

@@ -51,6 +51,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
 
 LLAMA, QWEN = "treadle/tiny-1m", "treadle/tiny-qwen-1m"
 NEW_TRAINING_RATE = 12_345_678  # per 1M tokens, against the default 220,000
+# The least delay the price book allows (TREADLE_PRICE_DELAY_SECONDS): the processes' price
+# caches read the book every second, so they price by the new version from its first moment.
+PRICE_DELAY = timedelta(seconds=5)
 TOKENS = [(5 * i) % 300 + 20 for i in range(21)]
 USAGE_OF_OP = {
     OpKind.FORWARD_BACKWARD: {"training"},
@@ -169,13 +172,18 @@ def test_billing_holds_through_a_price_change_a_killed_worker_and_duplicates(
     globex = _tenant(database, make_tenant("globex"), "cus_Globex", group.api_urls["a2"])
 
     # Phase 1, at the default prices; LLAMA's training price changes as soon as the book allows
-    # (a minute or two), and what runs meanwhile is priced on either side of the change.
+    # (seconds), and what runs meanwhile is priced on either side of the change.
     trainer_a = acme.client.create_lora_training_client(base_model=LLAMA, rank=4, seed=1).result()
     _sft(trainer_a, 2)
     with database.transaction() as db:
         default = rate_in_force(db, LLAMA, "training", clock.now())
         changed = set_price(
-            db, clock, base_model=LLAMA, kind="training", unit_micros=NEW_TRAINING_RATE
+            db,
+            clock,
+            base_model=LLAMA,
+            kind="training",
+            unit_micros=NEW_TRAINING_RATE,
+            delay=PRICE_DELAY,
         )
     assert default is not None and default.unit_micros != NEW_TRAINING_RATE
     trainer_b = globex.client.create_lora_training_client(base_model=QWEN, rank=4, seed=2).result()
