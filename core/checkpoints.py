@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, SQLColumnExpression, and_, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
+from core import references
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound
 from core.tables import ModelPackage, ModelVersion, TrainingRun, VersionStatus
@@ -66,7 +67,7 @@ def check_ttl(ttl_seconds: int | None) -> int | None:
 
 def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPackage:
     query = select(ModelPackage).where(
-        ModelPackage.tenant_id == run.tenant_id, ModelPackage.name == run.id
+        ModelPackage.training_run_id == run.id, ModelPackage.deleted_at.is_(None)
     )
     package = db.scalar(query.with_for_update())
     if package is None:
@@ -77,6 +78,7 @@ def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPac
             base_model=run.base_model,
             training_run_id=run.id,
             created_at=clock.now(),
+            updated_at=clock.now(),
         )
         db.add(package)
         db.flush()
@@ -150,7 +152,23 @@ def _expired(version: ModelVersion, now: datetime) -> bool:
 
 
 def resolve(db: OrmSession, clock: Clock, tenant_id: str, path: str) -> ModelVersion:
-    """The live checkpoint at `path` that `tenant_id` may read: its own, or a published one."""
+    """The live checkpoint at `path` that `tenant_id` may read: its own, or a published one.
+
+    `path` is a tinker path or a registry reference (`package@alias`, `package:version`, see
+    `core.references`); a reference names only the tenant's own packages.
+    """
+    if references.is_reference(path):
+        named = references.lookup(db, tenant_id, path)
+        if (
+            named.status != VersionStatus.READY
+            or named.artifact_uri is None
+            or _expired(named, clock.now())
+        ):
+            raise NotFound(
+                f"{path} names version {named.version}, which is {_unusable(named, clock)}; "
+                "point the reference at a ready version"
+            )
+        return named
     parse_tinker_path(path)
     version = find_by_path(db, path)
     if (
@@ -160,6 +178,14 @@ def resolve(db: OrmSession, clock: Clock, tenant_id: str, path: str) -> ModelVer
     ):
         raise _not_found(path)
     return version
+
+
+def _unusable(version: ModelVersion, clock: Clock) -> str:
+    if version.status == VersionStatus.READY and _expired(version, clock.now()):
+        return "expired"
+    return {VersionStatus.PENDING: "still uploading", VersionStatus.FAILED: "a failed save"}.get(
+        VersionStatus(version.status), "deleted"
+    )
 
 
 def _not_found(path: str) -> NotFound:

@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One file of an artifact: its path inside the artifact (POSIX), size and sha256."""
+
+    path: str
+    size_bytes: int
+    sha256: str
 
 
 class ArtifactStore(Protocol):
@@ -35,6 +45,19 @@ class ArtifactStore(Protocol):
 
     def size_and_digest(self, uri: str) -> tuple[int, str]:
         """Total bytes and a sha256 over the artifact's files (names and contents)."""
+        ...
+
+    def files(self, uri: str) -> list[StoredFile]:
+        """Every file of the artifact at `uri`, sorted by path."""
+        ...
+
+    def open_file(self, uri: str, relpath: str) -> BinaryIO:
+        """One file of the artifact, for reading; FileNotFoundError if it is not there."""
+        ...
+
+    def presigned_url(self, uri: str, relpath: str, expires_in: int) -> str | None:
+        """A URL that fetches one file without credentials for `expires_in` seconds, where the
+        store can sign one; None means Treadle serves the file itself (a local folder)."""
         ...
 
 
@@ -80,3 +103,32 @@ class LocalArtifactStore:
             total += len(data)
             digest.update(data)
         return total, digest.hexdigest()
+
+    def files(self, uri: str) -> list[StoredFile]:
+        root = self.open_dir(uri)
+        return [
+            StoredFile(
+                path=file.relative_to(root).as_posix(),
+                size_bytes=file.stat().st_size,
+                sha256=_file_sha256(file),
+            )
+            for file in sorted(p for p in root.rglob("*") if p.is_file())
+        ]
+
+    def open_file(self, uri: str, relpath: str) -> BinaryIO:
+        root = self.open_dir(uri)
+        path = (root / relpath).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            raise FileNotFoundError(f"{relpath!r} is not a file of artifact {uri}")
+        return path.open("rb")
+
+    def presigned_url(self, uri: str, relpath: str, expires_in: int) -> str | None:
+        return None
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

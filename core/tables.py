@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -163,6 +164,11 @@ class TrainingRun(Base):
     snapshot_seq_id: Mapped[int | None] = mapped_column(BigInteger)
     snapshot_uri: Mapped[str | None] = mapped_column(Text)
     optim_steps: Mapped[int] = mapped_column(Integer, default=0)
+    # Tokens of forward_backward ops executed so far, and the version the run was loaded from.
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
+    loaded_from_version_id: Mapped[str | None] = mapped_column(
+        ForeignKey("model_versions.id", use_alter=True)
+    )
     created_at: Mapped[datetime]
     last_request_at: Mapped[datetime]
 
@@ -214,6 +220,8 @@ class Operation(Base):
     status: Mapped[str] = mapped_column(String(16))  # an OpStatus
     payload: Mapped[bytes] = mapped_column(LargeBinary)
     payload_codec: Mapped[str] = mapped_column(String(16))  # e.g. "json+zstd"
+    # Set when retention emptied `payload` (a finished op older than its run's snapshot).
+    payload_pruned_at: Mapped[datetime | None]
     result: Mapped[bytes | None] = mapped_column(LargeBinary)
     result_codec: Mapped[str | None] = mapped_column(String(32))
     error_message: Mapped[str | None] = mapped_column(Text)
@@ -229,17 +237,37 @@ class Operation(Base):
 
 
 class ModelPackage(Base):
-    """A named family of model versions (e.g. every checkpoint of one training run)."""
+    """A named family of model versions.
+
+    A training run's saves register in the package whose `training_run_id` is the run (made on
+    its first save, named after the run unless the tenant created or renamed it); any other
+    package holds versions promoted into it. Names are unique among a tenant's live packages;
+    a deleted package keeps its row (versions point at it) and frees its name.
+    """
 
     __tablename__ = "model_packages"
-    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+    __table_args__ = (
+        Index(
+            "uq_model_packages_tenant_name_live",
+            "tenant_id",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+        Index("ix_model_packages_training_run_id", "training_run_id"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     name: Mapped[str] = mapped_column(String(200))
+    description: Mapped[str | None] = mapped_column(Text)
+    tags: Mapped[list[str]] = mapped_column(default=list)
     base_model: Mapped[str] = mapped_column(String(200))
     training_run_id: Mapped[str | None] = mapped_column(ForeignKey("training_runs.id"))
     created_at: Mapped[datetime]
+    updated_at: Mapped[datetime | None]
+    deleted_at: Mapped[datetime | None]
 
 
 class VersionStatus(enum.StrEnum):
@@ -261,14 +289,26 @@ class ModelVersion(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
     package_id: Mapped[str] = mapped_column(ForeignKey("model_packages.id"))
     version: Mapped[int] = mapped_column(Integer)
-    kind: Mapped[str] = mapped_column(String(16))  # training | sampler | external | merged
+    kind: Mapped[str] = mapped_column(String(16))  # training | sampler | adapter | merged
     tinker_path: Mapped[str | None] = mapped_column(String(512), unique=True)
     training_run_id: Mapped[str | None] = mapped_column(ForeignKey("training_runs.id"))
+    # Lineage: the save's session and place in the run's order, the run's optimizer steps and
+    # trained tokens at that point, and the version the run was loaded from (its parent).
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"))
+    seq_id: Mapped[int | None] = mapped_column(BigInteger)
     step: Mapped[int | None] = mapped_column(Integer)
+    tokens_trained: Mapped[int | None] = mapped_column(BigInteger)
     parent_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    # A promoted version shares the artifact of the version it was promoted from.
+    source_version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    base_model: Mapped[str | None] = mapped_column(String(200))
+    base_revision: Mapped[str | None] = mapped_column(String(100))
     lora_config: Mapped[dict[str, Any] | None]
     user_metadata: Mapped[dict[str, Any] | None]
+    created_by_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
     artifact_uri: Mapped[str | None] = mapped_column(Text)
+    # Every file of the artifact: [{"path", "size_bytes", "sha256"}], sorted by path.
+    files: Mapped[list[dict[str, Any]] | None]
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     sha256: Mapped[str | None] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16))  # a VersionStatus
@@ -278,7 +318,7 @@ class ModelVersion(Base):
 
 
 class ModelAlias(Base):
-    """A movable name for one version of a package. Not built yet: nothing reads or writes it."""
+    """A movable name for one version of a package (`latest`, `production`, any name)."""
 
     __tablename__ = "model_aliases"
     __table_args__ = (UniqueConstraint("package_id", "name"),)
