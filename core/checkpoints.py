@@ -74,7 +74,7 @@ def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPac
         package = ModelPackage(
             id="pkg_" + uuid.uuid4().hex[:16],
             tenant_id=run.tenant_id,
-            name=run.id,
+            name=_free_package_name(db, run.tenant_id, run.id),
             base_model=run.base_model,
             training_run_id=run.id,
             created_at=clock.now(),
@@ -84,6 +84,28 @@ def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPac
         db.flush()
         package = db.scalar(query.with_for_update()) or package
     return package
+
+
+def _free_package_name(db: OrmSession, tenant_id: str, wanted: str) -> str:
+    """`wanted`, or `<wanted>-2`, `-3`, ... when a live package of the tenant holds the name
+    (one the tenant created or renamed to it)."""
+    taken = set(
+        db.scalars(
+            select(ModelPackage.name).where(
+                ModelPackage.tenant_id == tenant_id,
+                ModelPackage.deleted_at.is_(None),
+                or_(
+                    ModelPackage.name == wanted,
+                    ModelPackage.name.startswith(wanted + "-", autoescape=True),
+                ),
+            )
+        )
+    )
+    name, n = wanted, 1
+    while name in taken:
+        n += 1
+        name = f"{wanted}-{n}"
+    return name
 
 
 def find_by_path(db: OrmSession, path: str) -> ModelVersion | None:
@@ -324,3 +346,46 @@ def has_public(db: OrmSession, clock: Clock, run_id: str) -> bool:
         .limit(1)
     )
     return found is not None
+
+
+def retire(version: ModelVersion) -> None:
+    """Delete a version for the registry: its tinker path is free at once, and it keeps its
+    artifact URI, which a promoted version may share; the periodic artifact job removes the
+    files no live version uses."""
+    version.status, version.tinker_path = VersionStatus.DELETED, None
+
+
+def copy_version(source: ModelVersion, **changes: Any) -> ModelVersion:
+    """A ready version with `source`'s artifact and lineage, for promotion into another package
+    (`changes` gives at least id, package_id, version and created_at): no tinker path, not
+    published, no expiry, and `source_version_id` naming the origin."""
+    shared = {
+        column: getattr(source, column)
+        for column in (
+            "tenant_id",
+            "kind",
+            "training_run_id",
+            "session_id",
+            "seq_id",
+            "step",
+            "tokens_trained",
+            "parent_version_id",
+            "base_model",
+            "base_revision",
+            "lora_config",
+            "user_metadata",
+            "created_by_key_id",
+            "artifact_uri",
+            "files",
+            "size_bytes",
+            "sha256",
+        )
+    }
+    return ModelVersion(
+        **(shared | changes),
+        tinker_path=None,
+        source_version_id=source.id,
+        public=False,
+        expires_at=None,
+        status=VersionStatus.READY,
+    )

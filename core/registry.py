@@ -1,0 +1,486 @@
+"""The model registry: a tenant's packages, their versions' registry changes, and aliases.
+
+This module owns packages' rows (create, rename, describe, tag, delete) and aliases' rows, and
+the registry's changes to versions: promotion (a new version row sharing another's artifact),
+deletion and TTLs, which it makes through `core.checkpoints` (the owner of versions' statuses).
+Saves register their versions through `core.checkpoints.register`, not here. It never removes
+files: a deleted version keeps its artifact URI, and the periodic artifact job removes what no
+live version shares. Every lookup is scoped by tenant, so another tenant's package, version or
+alias looks exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import String, cast, func, select
+from sqlalchemy.orm import Session as OrmSession
+
+from core import audit, checkpoints, references, runs
+from core.clock import Clock
+from core.errors import InvalidInput, NotFound
+from core.tables import ModelAlias, ModelPackage, ModelVersion, VersionStatus
+
+TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_TAGS = 32
+
+
+@dataclass(frozen=True)
+class AliasEntry:
+    """An alias as listings show it; `latest` is virtual (kept by the registry itself)."""
+
+    name: str
+    version: int
+    virtual: bool
+    updated_at: datetime | None
+
+
+# --- packages ---------------------------------------------------------------------------------
+
+
+def _not_found(name: str) -> NotFound:
+    return NotFound(f"package {name!r} not found; list yours with `treadle registry packages`")
+
+
+def get_package(db: OrmSession, tenant_id: str, name: str, *, lock: bool = False) -> ModelPackage:
+    query = select(ModelPackage).where(
+        ModelPackage.tenant_id == tenant_id,
+        ModelPackage.name == name,
+        ModelPackage.deleted_at.is_(None),
+    )
+    package = db.scalar(query.with_for_update() if lock else query)
+    if package is None:
+        raise _not_found(name)
+    return package
+
+
+def check_tags(tags: list[str]) -> list[str]:
+    if len(tags) > MAX_TAGS:
+        raise InvalidInput(f"{len(tags)} tags given; pass at most {MAX_TAGS}")
+    for tag in tags:
+        if not TAG.fullmatch(tag):
+            raise InvalidInput(
+                f"tag {tag[:70]!r} is invalid; use 1 to 64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+    return sorted(set(tags))
+
+
+def list_packages(
+    db: OrmSession, tenant_id: str, *, tag: str | None, limit: int, offset: int
+) -> tuple[list[ModelPackage], int]:
+    """The tenant's live packages by name; with `tag`, only those carrying it."""
+    conditions = [ModelPackage.tenant_id == tenant_id, ModelPackage.deleted_at.is_(None)]
+    if tag is not None:
+        # Tags hold no quotes or backslashes (`check_tags`), so the quoted tag matches exactly
+        # one element of the stored JSON list on both databases.
+        conditions.append(cast(ModelPackage.tags, String).contains(f'"{tag}"', autoescape=True))
+    total = db.scalar(select(func.count()).select_from(ModelPackage).where(*conditions)) or 0
+    rows = db.scalars(
+        select(ModelPackage)
+        .where(*conditions)
+        .order_by(ModelPackage.name)
+        .limit(limit)
+        .offset(offset)
+    )
+    return list(rows), total
+
+
+def _require_free_name(db: OrmSession, tenant_id: str, name: str) -> None:
+    references.check_package_name(name)
+    if references.live_package(db, tenant_id, name) is not None:
+        raise InvalidInput(
+            f"package name {name!r} is taken; pick another name, or rename or delete that package"
+        )
+
+
+def create_package(
+    db: OrmSession,
+    clock: Clock,
+    tenant_id: str,
+    *,
+    name: str,
+    description: str | None,
+    tags: list[str],
+    base_model: str | None,
+    training_run_id: str | None,
+) -> ModelPackage:
+    """A new empty package. With `training_run_id` it becomes that run's package: the run's
+    future saves register in it (allowed while the run has no live package)."""
+    _require_free_name(db, tenant_id, name)
+    tags = check_tags(tags)
+    if training_run_id is not None:
+        run = runs.get_run(db, tenant_id, training_run_id)
+        current = db.scalar(
+            select(ModelPackage.name).where(
+                ModelPackage.training_run_id == run.id, ModelPackage.deleted_at.is_(None)
+            )
+        )
+        if current is not None:
+            raise InvalidInput(
+                f"training run {run.id} already saves into package {current!r}; rename that "
+                "package instead, or create this one without training_run_id"
+            )
+        if base_model is not None and base_model != run.base_model:
+            raise InvalidInput(
+                f"base_model {base_model!r} differs from the run's {run.base_model!r}; omit "
+                "base_model to take the run's"
+            )
+        base_model = run.base_model
+    if base_model is None:
+        raise InvalidInput("pass base_model (or training_run_id, to take that run's base model)")
+    now = clock.now()
+    package = ModelPackage(
+        id="pkg_" + uuid.uuid4().hex[:16],
+        tenant_id=tenant_id,
+        name=name,
+        description=description,
+        tags=tags,
+        base_model=base_model,
+        training_run_id=training_run_id,
+        created_at=now,
+        updated_at=now,
+    )
+    db.add(package)
+    db.flush()
+    return package
+
+
+def update_package(
+    db: OrmSession,
+    clock: Clock,
+    tenant_id: str,
+    name: str,
+    *,
+    new_name: str | None = None,
+    description: str | None = None,
+    set_description: bool = False,
+    tags: list[str] | None = None,
+) -> ModelPackage:
+    """Rename, describe or tag a package; what is not passed stays (`set_description` with
+    `description=None` clears the description)."""
+    package = get_package(db, tenant_id, name, lock=True)
+    checked_tags = check_tags(tags) if tags is not None else None
+    if new_name is not None and new_name != package.name:
+        _require_free_name(db, tenant_id, new_name)
+        package.name = new_name
+    if set_description:
+        package.description = description
+    if checked_tags is not None:
+        package.tags = checked_tags
+    package.updated_at = clock.now()
+    db.flush()
+    return package
+
+
+def delete_package(db: OrmSession, clock: Clock, tenant_id: str, name: str) -> ModelPackage:
+    """Delete a package and its versions, freeing its name; refused while aliases remain."""
+    package = get_package(db, tenant_id, name, lock=True)
+    aliases = list(
+        db.scalars(
+            select(ModelAlias.name)
+            .where(ModelAlias.package_id == package.id)
+            .order_by(ModelAlias.name)
+        )
+    )
+    if aliases:
+        raise InvalidInput(
+            f"package {name!r} still has aliases {', '.join(aliases)}; delete them first "
+            f"(`treadle registry unalias {name} <alias>`)"
+        )
+    for version in db.scalars(
+        select(ModelVersion).where(
+            ModelVersion.package_id == package.id, ModelVersion.status != VersionStatus.DELETED
+        )
+    ):
+        checkpoints.retire(version)
+    now = clock.now()
+    package.deleted_at, package.updated_at = now, now
+    db.flush()
+    return package
+
+
+def version_counts(db: OrmSession, package_ids: list[str]) -> dict[str, tuple[int, int | None]]:
+    """(live versions, newest ready version number) per package id."""
+    rows = db.execute(
+        select(
+            ModelVersion.package_id,
+            ModelVersion.status,
+            func.count(),
+            func.max(ModelVersion.version),
+        )
+        .where(ModelVersion.package_id.in_(package_ids))
+        .group_by(ModelVersion.package_id, ModelVersion.status)
+    )
+    counts: dict[str, tuple[int, int | None]] = {pid: (0, None) for pid in package_ids}
+    for package_id, status, count, newest in rows:
+        live, latest = counts[package_id]
+        if status != VersionStatus.DELETED:
+            live += count
+        if status == VersionStatus.READY:
+            latest = newest
+        counts[package_id] = (live, latest)
+    return counts
+
+
+# --- versions ---------------------------------------------------------------------------------
+
+
+def list_versions(
+    db: OrmSession,
+    tenant_id: str,
+    name: str,
+    *,
+    status: VersionStatus | None,
+    limit: int,
+    offset: int,
+) -> tuple[list[ModelVersion], int]:
+    """A package's versions, newest first; deleted ones only when asked for by `status`."""
+    package = get_package(db, tenant_id, name)
+    conditions = [ModelVersion.package_id == package.id]
+    if status is None:
+        conditions.append(ModelVersion.status != VersionStatus.DELETED)
+    else:
+        conditions.append(ModelVersion.status == status)
+    total = db.scalar(select(func.count()).select_from(ModelVersion).where(*conditions)) or 0
+    rows = db.scalars(
+        select(ModelVersion)
+        .where(*conditions)
+        .order_by(ModelVersion.version.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return list(rows), total
+
+
+def get_version(
+    db: OrmSession, tenant_id: str, name: str, number: int, *, lock: bool = False
+) -> ModelVersion:
+    """Version `number` of the package (not deleted); `lock` locks the package row first."""
+    package = get_package(db, tenant_id, name, lock=lock)
+    version = db.scalar(
+        select(ModelVersion).where(
+            ModelVersion.package_id == package.id,
+            ModelVersion.version == number,
+            ModelVersion.status != VersionStatus.DELETED,
+        )
+    )
+    if version is None:
+        raise NotFound(
+            f"version {number} of package {name!r} not found; list its versions with "
+            f"`treadle registry versions {name}`"
+        )
+    return version
+
+
+def aliases_of(db: OrmSession, version: ModelVersion) -> list[str]:
+    """The aliases pointing at `version`, `latest` included when it is the newest ready one."""
+    return aliases_by_version(db, version.package_id).get(version.id, [])
+
+
+def delete_version(db: OrmSession, tenant_id: str, name: str, number: int) -> ModelVersion:
+    """Retire a version (its tinker path is free again); refused while an alias points at it."""
+    version = get_version(db, tenant_id, name, number, lock=True)
+    pointing = [a for a in aliases_of(db, version) if a != references.LATEST]
+    if pointing:
+        raise InvalidInput(
+            f"version {number} of {name!r} is what {', '.join(f'{name}@{a}' for a in pointing)} "
+            "points at; move or delete those aliases first"
+        )
+    checkpoints.retire(version)
+    db.flush()
+    return version
+
+
+def set_version_ttl(
+    db: OrmSession, clock: Clock, tenant_id: str, name: str, number: int, ttl_seconds: int | None
+) -> ModelVersion:
+    version = get_version(db, tenant_id, name, number)
+    checkpoints.set_ttl(version, clock, ttl_seconds)
+    db.flush()
+    return version
+
+
+def promote(
+    db: OrmSession,
+    clock: Clock,
+    tenant_id: str,
+    name: str,
+    number: int,
+    *,
+    target: str,
+    actor_key_id: str | None,
+) -> ModelVersion:
+    """A new version of package `target` sharing version `number`'s artifact (nothing is
+    copied), numbered next in `target` under its row lock."""
+    source = get_version(db, tenant_id, name, number)
+    if source.status != VersionStatus.READY or source.artifact_uri is None:
+        raise InvalidInput(
+            f"version {number} of {name!r} is {source.status}, not ready; promote a ready version"
+        )
+    source_package = get_package(db, tenant_id, name)
+    if target == name:
+        raise InvalidInput(f"version {number} is already in {name!r}; name another package")
+    destination = get_package(db, tenant_id, target, lock=True)
+    base_model = source.base_model or source_package.base_model
+    if base_model != destination.base_model:
+        raise InvalidInput(
+            f"version {number} of {name!r} is of base model {base_model!r} but package "
+            f"{target!r} holds {destination.base_model!r}; promote into a package of the same "
+            "base model"
+        )
+    latest = db.scalar(
+        select(func.max(ModelVersion.version)).where(ModelVersion.package_id == destination.id)
+    )
+    version = checkpoints.copy_version(
+        source,
+        id="mv_" + uuid.uuid4().hex[:16],
+        package_id=destination.id,
+        version=(latest or 0) + 1,
+        base_model=base_model,
+        created_by_key_id=actor_key_id,
+        created_at=clock.now(),
+    )
+    db.add(version)
+    destination.updated_at = clock.now()
+    db.flush()
+    return version
+
+
+# --- aliases ----------------------------------------------------------------------------------
+
+
+def list_aliases(db: OrmSession, tenant_id: str, name: str) -> list[AliasEntry]:
+    package = get_package(db, tenant_id, name)
+    entries = []
+    latest = references.latest_version(db, package.id)
+    if latest is not None:
+        entries.append(AliasEntry(references.LATEST, latest.version, True, None))
+    rows = db.execute(
+        select(ModelAlias.name, ModelVersion.version, ModelAlias.updated_at)
+        .join(ModelVersion, ModelVersion.id == ModelAlias.version_id)
+        .where(ModelAlias.package_id == package.id)
+        .order_by(ModelAlias.name)
+    )
+    entries += [AliasEntry(alias, number, False, at) for alias, number, at in rows]
+    return entries
+
+
+def _check_settable(alias: str) -> str:
+    references.check_alias_name(alias)
+    if alias == references.LATEST:
+        raise InvalidInput(
+            "alias 'latest' is kept by the registry (the newest ready version); pick another name"
+        )
+    return alias
+
+
+def set_alias(
+    db: OrmSession, clock: Clock, tenant_id: str, name: str, alias: str, number: int, *, actor: str
+) -> AliasEntry:
+    """Point `alias` at version `number` of the package (a ready one), creating or moving it."""
+    _check_settable(alias)
+    version = get_version(db, tenant_id, name, number, lock=True)
+    if version.status != VersionStatus.READY:
+        raise InvalidInput(
+            f"version {number} of {name!r} is {version.status}; point aliases at ready versions"
+        )
+    row = db.scalar(
+        select(ModelAlias).where(
+            ModelAlias.package_id == version.package_id, ModelAlias.name == alias
+        )
+    )
+    now = clock.now()
+    if row is None:
+        row = ModelAlias(
+            id="al_" + uuid.uuid4().hex[:16],
+            tenant_id=tenant_id,
+            package_id=version.package_id,
+            name=alias,
+            version_id=version.id,
+            updated_at=now,
+        )
+        db.add(row)
+        _audit(db, clock, tenant_id, actor, "registry.alias.created", name, alias, None, number)
+    elif row.version_id != version.id:
+        previous = db.get(ModelVersion, row.version_id)
+        row.version_id, row.updated_at = version.id, now
+        before = previous.version if previous is not None else None
+        _audit(db, clock, tenant_id, actor, "registry.alias.moved", name, alias, before, number)
+    db.flush()
+    return AliasEntry(alias, number, False, row.updated_at)
+
+
+def delete_alias(
+    db: OrmSession, clock: Clock, tenant_id: str, name: str, alias: str, *, actor: str
+) -> None:
+    _check_settable(alias)
+    package = get_package(db, tenant_id, name, lock=True)
+    row = db.scalar(
+        select(ModelAlias).where(ModelAlias.package_id == package.id, ModelAlias.name == alias)
+    )
+    if row is None:
+        raise NotFound(
+            f"alias {alias!r} of package {name!r} not found; list them with "
+            f"`treadle registry versions {name}`"
+        )
+    previous = db.get(ModelVersion, row.version_id)
+    before = previous.version if previous is not None else None
+    db.delete(row)
+    _audit(db, clock, tenant_id, actor, "registry.alias.deleted", name, alias, before, None)
+    db.flush()
+
+
+def _audit(
+    db: OrmSession,
+    clock: Clock,
+    tenant_id: str,
+    actor: str,
+    action: str,
+    package: str,
+    alias: str,
+    before: int | None,
+    after: int | None,
+) -> None:
+    audit.record(
+        db,
+        clock,
+        tenant_id=tenant_id,
+        actor=actor,
+        action=action,
+        target=f"{package}@{alias}",
+        detail={"package": package, "alias": alias, "from_version": before, "to_version": after},
+    )
+
+
+# --- what views show --------------------------------------------------------------------------
+
+
+def version_refs(db: OrmSession, version_ids: set[str]) -> dict[str, str]:
+    """`<package>:<number>` of each version id (for parent and source versions)."""
+    if not version_ids:
+        return {}
+    rows = db.execute(
+        select(ModelVersion.id, ModelPackage.name, ModelVersion.version)
+        .join(ModelPackage, ModelPackage.id == ModelVersion.package_id)
+        .where(ModelVersion.id.in_(sorted(version_ids)))
+    )
+    return {version_id: f"{name}:{number}" for version_id, name, number in rows}
+
+
+def aliases_by_version(db: OrmSession, package_id: str) -> dict[str, list[str]]:
+    """The package's aliases per version id, `latest` first where it points."""
+    found: dict[str, list[str]] = {}
+    latest = references.latest_version(db, package_id)
+    if latest is not None:
+        found[latest.id] = [references.LATEST]
+    for name, version_id in db.execute(
+        select(ModelAlias.name, ModelAlias.version_id)
+        .where(ModelAlias.package_id == package_id)
+        .order_by(ModelAlias.name)
+    ):
+        found.setdefault(version_id, []).append(name)
+    return found
