@@ -22,6 +22,8 @@ from core.errors import ConfigurationError
 
 # Built-in models served when the operator configures none (tiny, CPU-friendly).
 DEFAULT_MODELS = ("treadle/tiny-1m", "treadle/tiny-10m")
+# Request payloads stay at least this long after their op finished, for operators to inspect.
+MIN_OPLOG_RETENTION_SECONDS = 3600.0
 
 
 class Mode(enum.StrEnum):
@@ -92,6 +94,9 @@ class Settings(BaseSettings):
     price_delay_seconds: float = Field(default=60.0, ge=5)
     # Checkpoint storage is metered per whole hour (`billing.storage`); this often, at most.
     storage_meter_seconds: float = Field(default=300.0, gt=0)
+    # Finished ops' request payloads are emptied this long after they finished, once replay can
+    # no longer need them (`scheduler.retention`); results are kept.
+    oplog_retention_seconds: float = 7 * 86400.0
 
     # Stripe Billing meters (`billing.stripe_push`): pushing is off while no key is set.
     stripe_api_key: SecretStr | None = None
@@ -114,6 +119,17 @@ class Settings(BaseSettings):
             names = [name.strip() for name in value.split(",") if name.strip()]
             return names or None
         return value
+
+    @field_validator("oplog_retention_seconds")
+    @classmethod
+    def _retention_bound(cls, seconds: float) -> float:
+        if seconds < MIN_OPLOG_RETENTION_SECONDS:
+            raise ValueError(
+                f"TREADLE_OPLOG_RETENTION_SECONDS {seconds:g} is below the minimum "
+                f"{MIN_OPLOG_RETENTION_SECONDS:g} (one hour); set it to at least "
+                f"{MIN_OPLOG_RETENTION_SECONDS:g}, or leave it unset for 7 days"
+            )
+        return seconds
 
     @field_validator("database_url")
     @classmethod

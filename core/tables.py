@@ -208,6 +208,13 @@ class Operation(Base):
         Index("ix_operations_status_target", "status", "target_id"),
         # The tenant's queued and running ops, counted on every submission.
         Index("ix_operations_tenant_status", "tenant_id", "status"),
+        # Retention's candidates: finished ops whose payload is still stored, oldest first.
+        Index(
+            "ix_operations_unpruned_finished_at",
+            "finished_at",
+            sqlite_where=text("payload_pruned_at IS NULL"),
+            postgresql_where=text("payload_pruned_at IS NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the request_id

@@ -2,8 +2,8 @@
 
 Each job is a plain function of the database, safe to run twice or concurrently: expire silent
 sessions, declare workers with lapsed leases dead and move their work, and (re)place and wake
-whatever is queued, which also covers lost wake-up messages; and billing's periodic jobs
-(`billing.jobs`, each at its own interval).
+whatever is queued, which also covers lost wake-up messages; billing's periodic jobs
+(`billing.jobs`, each at its own interval); and op-log retention (`retention`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from core.clock import Clock
 from core.db import Database
 from core.settings import Settings
 from core.tables import Operation, OpStatus
-from scheduler import oplog, workers
+from scheduler import oplog, retention, workers
 from scheduler.placement import place
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ def tick(database: Database, settings: Settings, clock: Clock) -> None:
         for worker_id in wake:
             wake_worker(celery, worker_id)
     billing_jobs.run_periodic(database, settings, clock)
+    retention.run_periodic(database, settings, clock)
 
 
 def run_beat(settings: Settings, clock: Clock, *, interval_seconds: float = 2.0) -> None:

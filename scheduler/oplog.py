@@ -269,3 +269,27 @@ def requeue_held_by(db: OrmSession, worker_ids: list[str]) -> None:
         .where(Operation.status == OpStatus.RUNNING, Operation.worker_id.in_(worker_ids))
         .values(status=OpStatus.QUEUED, worker_id=None)
     )
+
+
+# --- retention --------------------------------------------------------------------------------
+
+FINISHED = (OpStatus.DONE, OpStatus.FAILED)
+
+
+def prune_payloads(db: OrmSession, op_ids: list[str], now: datetime) -> int:
+    """Empty the stored requests of these finished ops (`scheduler.retention` chooses them:
+    nothing can replay them any more); their results stay. Returns how many were pruned now:
+    an op pruned before, or not finished, is left as it is."""
+    if not op_ids:
+        return 0
+    pruned = db.execute(
+        update(Operation)
+        .where(
+            Operation.id.in_(op_ids),
+            Operation.status.in_(FINISHED),
+            Operation.payload_pruned_at.is_(None),
+        )
+        .values(payload=b"", payload_pruned_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return int(pruned.rowcount or 0)  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ depends_on: str | Sequence[str] | None = None
 
 _TIME = sa.DateTime(timezone=True)
 _LIVE = "deleted_at IS NULL"
+_UNPRUNED = "payload_pruned_at IS NULL"
 
 
 def upgrade() -> None:
@@ -95,9 +96,17 @@ def upgrade() -> None:
         batch_op.alter_column("tokens_trained", server_default=None)
 
     op.add_column("operations", sa.Column("payload_pruned_at", _TIME, nullable=True))
+    op.create_index(
+        "ix_operations_unpruned_finished_at",
+        "operations",
+        ["finished_at"],
+        sqlite_where=sa.text(_UNPRUNED),
+        postgresql_where=sa.text(_UNPRUNED),
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ix_operations_unpruned_finished_at", table_name="operations")
     op.drop_column("operations", "payload_pruned_at")
     with op.batch_alter_table("training_runs", schema=None) as batch_op:
         batch_op.drop_constraint(

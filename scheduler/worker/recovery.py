@@ -4,7 +4,8 @@ Needed when a worker is asked to run an op for a run it does not hold: the run m
 after its worker died, or an embedded server restarted. Replay changes the engine only: the
 replayed ops' results were recorded (and billed) the first time and stay exactly as they were.
 Snapshots are taken right after an optimizer step, when no gradients are pending, so replay
-from the op after a snapshot reproduces the run's state.
+from the op after a snapshot reproduces the run's state. Op-log retention (`scheduler.retention`)
+empties only payloads replay never reads; a pruned one found here fails the restore, naming it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,24 @@ def restore_run(
             )
             .order_by(Operation.seq_id)
         ).all()
+        pruned = next((op for op in ops if op.payload_pruned_at is not None), None)
+        if pruned is not None:
+            # Retention empties only what replay never reads: reaching this is a server fault.
+            log.error(
+                "cannot restore %s: the payload of operation %s (%s, seq %s) it must replay "
+                "was pruned at %s",
+                run_id,
+                pruned.id,
+                pruned.kind,
+                pruned.seq_id,
+                pruned.payload_pruned_at,
+            )
+            raise RestoreImpossible(
+                f"training run {run_id} cannot be restored: the request of operation "
+                f"{pruned.id} ({pruned.kind}, seq_id {pruned.seq_id}) that it must replay was "
+                "pruned from the op log; this is a server fault, report it to the operator and "
+                "create a new training client from your last checkpoint"
+            )
         tasks = [Task.of(op, run.base_model) for op in ops]
     if snapshot_uri is not None:
         try:

@@ -3,12 +3,13 @@ database: the latest snapshot, then exactly the ops executed after it, to the sa
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from scheduler import convert
+from scheduler import convert, oplog, retention
 from scheduler.ops import OpKind
 from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.integration
 
 TOKENS = [(5 * i) % 300 + 10 for i in range(21)]
 STEPS = 3
+RETENTION = timedelta(days=7)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,14 @@ def replayed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[OpKind, int | None]]
 
 def _trained(rows: Rows, host: WorkerHost) -> str:
     """A run trained STEPS steps (forward_backward, optim_step) on the host; its seq 7 queued."""
+    run = _stepped(rows, host)
+    # Queued, never executed: not part of the run's state, so never replayed.
+    rows.training_op(run, 2 * STEPS + 1)
+    return run
+
+
+def _stepped(rows: Rows, host: WorkerHost) -> str:
+    """A run trained STEPS steps on the host, nothing queued."""
     run = rows.run(rows.tenant(), rank=4, seed=3)
     for step in range(STEPS):
         fb, optim = 2 * step + 1, 2 * step + 2
@@ -70,8 +80,6 @@ def _trained(rows: Rows, host: WorkerHost) -> str:
         rows.clock.advance(1)
     assert host.drain() == 1 + 2 * STEPS
     assert {op.status for op in rows.ops(run)} == {"done"}
-    # Queued, never executed: not part of the run's state, so never replayed.
-    rows.training_op(run, 2 * STEPS + 1)
     return run
 
 
@@ -144,4 +152,56 @@ def test_a_missing_snapshot_makes_the_run_unrestorable(
     fresh = cpu_engine(tmp_path / "fresh")
     executor = Executor(fresh, host.store, rows.database, rows.clock)
     with pytest.raises(RestoreImpossible, match=r"snapshot of .* is missing from the artifact"):
+        restore_run(fresh, host.store, rows.database, executor, run)
+
+
+def test_a_run_whose_log_before_its_snapshot_was_pruned_recovers_like_its_unpruned_twin(
+    rows: Rows,
+    engine: Engine,
+    tmp_path: Path,
+    replayed: list[tuple[OpKind, int | None]],
+) -> None:
+    host = worker_host(rows.database, rows.clock, engine, tmp_path / "art", snapshot_every_steps=2)
+    host.register([MODEL], host.store)
+    pruned = _stepped(rows, host)
+    rows.clock.advance(RETENTION.total_seconds() + 60)
+    twin = _stepped(rows, host)  # trained alike, too recently for its payloads to go
+    for run in (pruned, twin):
+        fb = 2 * STEPS + 1
+        rows.training_op(
+            run, fb, OpKind.FORWARD_BACKWARD, forward_backward_payload(run, fb, TOKENS)
+        )
+        rows.training_op(run, fb + 1)
+    assert retention.prune(rows.database, rows.clock, RETENTION) == 5
+    assert [op.payload_pruned_at is not None for op in rows.ops(pruned)] == [True] * 5 + [False] * 4
+    assert all(op.payload_pruned_at is None for op in rows.ops(twin))
+
+    # The worker dies; a fresh one takes both runs with their queued step (seq 7 and 8).
+    replayed.clear()
+    fresh = cpu_engine(tmp_path / "fresh")
+    successor = worker_host(rows.database, rows.clock, fresh, tmp_path / "art")
+    successor.register([MODEL], successor.store)
+    assert successor.drain() == 4
+    assert replayed == [(OpKind.FORWARD_BACKWARD, 5), (OpKind.OPTIM_STEP, 6)] * 2
+    assert {op.status for run in (pruned, twin) for op in rows.ops(run)} == {"done"}
+    assert _loss(fresh, pruned) == pytest.approx(_loss(fresh, twin), rel=1e-6)
+    # The step after the restore counted: the run moved on from where the dead worker left it.
+    assert _loss(fresh, pruned) != pytest.approx(_loss(engine, pruned), rel=1e-6)
+
+
+def test_restoring_a_run_whose_replayed_payload_was_pruned_fails_naming_the_op(
+    rows: Rows, engine: Engine, tmp_path: Path
+) -> None:
+    host = worker_host(rows.database, rows.clock, engine, tmp_path / "art", snapshot_every_steps=2)
+    host.register([MODEL], host.store)
+    run = _trained(rows, host)
+    after_snapshot = rows.ops(run)[5]
+    with rows.database.transaction() as db:  # what retention never does: replay needs seq 5
+        assert oplog.prune_payloads(db, [after_snapshot.id], rows.clock.now()) == 1
+    fresh = cpu_engine(tmp_path / "fresh")
+    executor = Executor(fresh, host.store, rows.database, rows.clock)
+    with pytest.raises(
+        RestoreImpossible,
+        match=rf"operation {after_snapshot.id} \(forward_backward, seq_id 5\).* was pruned",
+    ):
         restore_run(fresh, host.store, rows.database, executor, run)
