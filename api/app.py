@@ -39,6 +39,7 @@ from core import sessions as session_service
 from core.clock import Clock, SystemClock
 from core.objectstore import LocalArtifactStore
 from core.settings import Mode, Settings
+from scheduler import retention
 from scheduler.dispatch import CeleryDispatcher, Dispatcher
 from scheduler.notify import InProcessNotifier, Notifier, RedisNotifier
 from scheduler.worker.embedded import embedded_dispatcher
@@ -84,6 +85,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         periodic = [asyncio.create_task(_sweep_expired_sessions(state))]
         if settings.mode is Mode.EMBEDDED:  # distributed mode: `treadle-server beat` runs them
             periodic.append(asyncio.create_task(_run_billing_jobs(state)))
+            periodic.append(asyncio.create_task(_prune_op_log(state)))
         try:
             yield
         finally:
@@ -156,3 +158,10 @@ async def _run_billing_jobs(state: AppState) -> None:
         except Exception:
             logger.exception("billing jobs failed")
         await asyncio.sleep(billing_jobs.tick_seconds(state.settings))
+
+
+async def _prune_op_log(state: AppState) -> None:
+    """Empty the op log's payloads that nothing can replay any more (`scheduler.retention`)."""
+    while True:
+        await asyncio.to_thread(retention.run_periodic, state.database, state.settings, state.clock)
+        await asyncio.sleep(retention.EVERY_SECONDS)
