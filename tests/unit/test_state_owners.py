@@ -42,6 +42,8 @@ WRITERS = {
     **{column: {"core/runs.py"} for column in RUN_PROGRESS},
     # A run's or sampler's worker (core.runs), an operation's (scheduler.oplog).
     "worker_id": {"core/runs.py", "scheduler/oplog.py"},
+    # An operation's emptied payload (op-log retention writes through scheduler.oplog).
+    "payload_pruned_at": {"scheduler/oplog.py"},
 }
 
 TABLES = {"Operation", "TrainingRun", "SamplingSession", "Session", "ModelVersion", "Worker"}
@@ -134,6 +136,7 @@ def test_statuses_are_spelled_by_their_enums_and_written_by_their_owners() -> No
         ("update(Operation).values(status=OpStatus.DONE)", "writes status= outside its owner"),
         ("run.executed_seq_id = 3", "writes .executed_seq_id outside its owner"),
         ("run.optim_steps += 1", "writes .optim_steps outside its owner"),
+        ("update(Operation).values(payload_pruned_at=now)", "writes payload_pruned_at= outside"),
         ("op.status, op.finished_at = OpStatus.FAILED, now", "writes .status outside"),
     ],
 )
