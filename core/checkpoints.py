@@ -9,6 +9,7 @@ version deleted and frees its path; the caller removes the artifact.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -116,6 +117,19 @@ def find_by_path(db: OrmSession, path: str) -> ModelVersion | None:
     )
 
 
+@dataclass(frozen=True)
+class Lineage:
+    """Where a save came from beyond its run (whose steps, tokens and loaded-from version
+    `register` reads itself): the save op, who sent it, the base model's revision and the
+    artifact's files as `[{"path", "size_bytes", "sha256"}]`."""
+
+    session_id: str | None = None
+    seq_id: int | None = None
+    created_by_key_id: str | None = None
+    base_revision: str | None = None
+    files: list[dict[str, Any]] | None = None
+
+
 def register(
     db: OrmSession,
     clock: Clock,
@@ -129,8 +143,10 @@ def register(
     ttl_seconds: int | None = None,
     user_metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
+    lineage: Lineage | None = None,
 ) -> ModelVersion:
     """Add a ready version for `run`. A nameless one (sampler snapshots) has no tinker path."""
+    lineage = lineage or Lineage()
     path = tinker_path(run.id, kind, check_name(name)) if name is not None else None
     if path is not None:
         existing = find_by_path(db, path)
@@ -154,7 +170,15 @@ def register(
         kind=kind,
         tinker_path=path,
         training_run_id=run.id,
+        session_id=lineage.session_id,
+        seq_id=lineage.seq_id,
         step=run.optim_steps,
+        tokens_trained=run.tokens_trained,
+        parent_version_id=run.loaded_from_version_id,
+        base_model=run.base_model,
+        base_revision=lineage.base_revision,
+        created_by_key_id=lineage.created_by_key_id,
+        files=lineage.files,
         lora_config=run.lora_config,
         user_metadata=user_metadata,
         artifact_uri=artifact_uri,

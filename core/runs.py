@@ -111,6 +111,18 @@ def set_steps(run: TrainingRun, steps: int) -> None:
     run.optim_steps = steps
 
 
+def count_tokens(run: TrainingRun, tokens: int) -> None:
+    """A forward_backward trained the run on `tokens` more tokens (its result is recorded once:
+    recovery's replay re-runs the op on the engine but records nothing)."""
+    run.tokens_trained = (run.tokens_trained or 0) + tokens
+
+
+def loaded_from(run: TrainingRun, version_id: str | None) -> None:
+    """The run's weights now come from model version `version_id` (a load_weights succeeded):
+    the versions it saves from here on descend from it."""
+    run.loaded_from_version_id = version_id
+
+
 def record_snapshot(run: TrainingRun, seq_id: int, uri: str) -> None:
     """The run's full state after op `seq_id` is saved at `uri`: replay starts there."""
     run.snapshot_seq_id, run.snapshot_uri = seq_id, uri

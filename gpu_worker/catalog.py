@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class ModelEntry:
     tokenizer: str = ""  # asset folder name for tiny models
     path: str = ""  # folder for hf_folder
     aliases: tuple[str, ...] = ()
+    revision: str = ""  # the weights' revision (a hub commit), where the operator knows it
 
 
 def _tiny(
@@ -130,6 +132,22 @@ class Catalog:
 
     def names(self) -> list[str]:
         return sorted(self.entries)
+
+    def revision(self, name: str) -> str | None:
+        """The revision of `name`'s weights, recorded with every version trained on them.
+
+        An entry's own `revision`, else the commit a Hugging Face cache folder is named after
+        (`.../snapshots/<40 hex digits>`); None where nothing says (tiny models are built from
+        their config and seed, the packaged SmolLM2 from its package).
+        """
+        entry = self.resolve(name)
+        if entry.revision:
+            return entry.revision
+        if entry.kind == "hf_folder":
+            folder = Path(entry.path)
+            if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
+                return folder.name
+        return None
 
     def aliases_of(self, name: str) -> tuple[str, ...]:
         return tuple(sorted(a for a, target in self.aliases.items() if target == name))

@@ -165,6 +165,8 @@ def _load_payload(
 ) -> dict[str, object]:
     return {
         "artifact_uri": version.artifact_uri,
+        # The version resolved now: a reference may point elsewhere by the time the op runs.
+        "version_id": version.id,
         "path": body.path,
         "optimizer": body.optimizer,
         "base_model": base_model,

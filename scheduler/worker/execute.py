@@ -135,16 +135,20 @@ class Executor:
                     ep.OpError("server", "forward_backward failed on the server; retry")
                     for _ in ops
                 ]
-            for (task, _), result in zip(ops, results, strict=True):
+            for (task, op), result in zip(ops, results, strict=True):
                 if isinstance(result, ep.OpError):
                     outcomes[task.id] = Outcome.failed(OpFailure.of_engine(result))
                 else:
                     outcomes[task.id] = _guarded(
                         task,
-                        lambda r=result: Outcome(  # type: ignore[misc]
+                        lambda r=result, t=task, o=op: Outcome(  # type: ignore[misc]
                             result=convert.forward_backward_output(r),
                             codec=PROTO,
                             usage=usage_lines(r.usage),
+                            # A forward pass bills its tokens but trains nothing.
+                            apply=None
+                            if o.forward_only
+                            else _count_tokens(t.target_id, r.usage.trained_tokens),
                         ),
                     )
         return outcomes
@@ -367,12 +371,19 @@ class Executor:
             run = db.get(TrainingRun, task.target_id)
             if run is None:
                 return
+            # The version the API resolved (a reference may have moved since); payloads logged
+            # before it was recorded name a tinker path.
+            version_id = payload.get("version_id")
+            version = (
+                db.get(ModelVersion, version_id)
+                if version_id is not None
+                else checkpoints.find_by_path(db, payload["path"])
+            )
+            runs.loaded_from(run, version.id if version is not None else None)
             # Follow the engine's step counter: the checkpoint's with the optimizer, else 0.
             if not payload["optimizer"]:
                 runs.set_steps(run, 0)
-            elif (
-                version := checkpoints.find_by_path(db, payload["path"])
-            ) and version.step is not None:
+            elif version is not None and version.step is not None:
                 runs.set_steps(run, version.step)
 
         return Outcome.json(
@@ -490,6 +501,15 @@ def _forward_only(payload: bytes, codec: str, max_body_bytes: int) -> bool:
         return _stored_forward_backward(payload, codec, max_body_bytes).forward_only
     except Exception:
         return False
+
+
+def _count_tokens(run_id: str, tokens: int) -> Callable[[OrmSession], None]:
+    def apply(db: OrmSession) -> None:
+        run = db.get(TrainingRun, run_id)
+        if run is not None:
+            runs.count_tokens(run, tokens)
+
+    return apply
 
 
 def _activate(run_id: str) -> Callable[[OrmSession], None]:

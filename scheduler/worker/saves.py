@@ -5,6 +5,7 @@ or merged export)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,13 @@ class Saves:
             self.engine.save_state(task.target_id, folder, include_optimizer=optimizer)
         uri = self.store.uri(key)
         size, digest = self.store.size_and_digest(uri)
+        lineage = checkpoints.Lineage(
+            session_id=task.session_id,
+            seq_id=task.seq_id,
+            created_by_key_id=task.api_key_id,
+            base_revision=self.engine.catalog.revision(task.base_model),
+            files=[dataclasses.asdict(file) for file in self.store.files(uri)],
+        )
 
         def register(db: OrmSession) -> ModelVersion:
             run = db.get(TrainingRun, task.target_id)
@@ -81,6 +89,7 @@ class Saves:
                 ttl_seconds=ttl_seconds,
                 user_metadata=user_metadata,
                 overwrite=overwrite,
+                lineage=lineage,
             )
 
         return size, register

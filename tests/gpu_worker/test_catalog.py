@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -23,6 +24,26 @@ def test_tiny_models_are_deterministic_and_sized():
     assert 1.0e6 < count_parameters(a) < 1.5e6
     qwen = catalog.load_model("treadle/tiny-qwen-1m")
     assert qwen.config.model_type == "qwen2"
+
+
+@pytest.mark.unit
+def test_revision_of_the_base_model_where_the_catalog_knows_one(tmp_path):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    cached = tmp_path / "models--org--m" / "snapshots" / commit
+    entries = [
+        Catalog.hf_folder("org/cached", str(cached)),
+        Catalog.hf_folder("org/plain", str(tmp_path / "plain"), aliases=("plain",)),
+        Catalog.hf_folder("org/not-a-commit", str(tmp_path / "snapshots" / "main")),
+        dataclasses.replace(Catalog.hf_folder("org/pinned", str(cached)), revision="v1.2"),
+    ]
+    catalog = Catalog(entries)
+    assert catalog.revision("org/cached") == commit
+    assert catalog.revision("org/pinned") == "v1.2"  # the operator's word comes first
+    assert catalog.revision("plain") is None
+    assert catalog.revision("org/not-a-commit") is None
+    assert catalog.revision(TINY) is None  # built from its config and seed
+    with pytest.raises(UserInputError, match="unknown base model"):
+        catalog.revision("org/missing")
 
 
 @pytest.mark.unit

@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from api.app import create_app
 from billing.tables import UsageEvent
 from core.db import Database
+from core.tables import TrainingRun
 from tests.builders import tenant_factory
 from tests.integration.helpers import DATUM, MODEL, op
 from tests.server import AppFactory
@@ -111,6 +112,10 @@ def test_restarted_server_restores_runs(app_factory: AppFactory, snapshot_every_
         # Replayed ops are not billed again: only the new forward_backward and forward added
         # usage (20 tokens each; an optimizer step processes no tokens).
         assert db.scalar(select(func.sum(UsageEvent.quantity))) == (billed or 0) + 2 * 20
+        # Nor counted again as trained: three steps' tokens and the new one's (a forward pass
+        # trains nothing).
+        survivor_run = db.get(TrainingRun, survivor)
+        assert survivor_run is not None and survivor_run.tokens_trained == 4 * 20
 
 
 def _failure(

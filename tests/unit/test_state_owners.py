@@ -36,6 +36,7 @@ RUN_PROGRESS = {
     "snapshot_seq_id",
     "snapshot_uri",
     "last_request_at",
+    "loaded_from_version_id",
 }
 WRITERS = {
     "status": STATUS_OWNERS,
@@ -44,6 +45,8 @@ WRITERS = {
     "worker_id": {"core/runs.py", "scheduler/oplog.py"},
     # An operation's emptied payload (op-log retention writes through scheduler.oplog).
     "payload_pruned_at": {"scheduler/oplog.py"},
+    # A run's trained tokens (core.runs), and a version's record of them at its save.
+    "tokens_trained": {"core/runs.py", "core/checkpoints.py"},
 }
 
 TABLES = {"Operation", "TrainingRun", "SamplingSession", "Session", "ModelVersion", "Worker"}
@@ -137,6 +140,8 @@ def test_statuses_are_spelled_by_their_enums_and_written_by_their_owners() -> No
         ("run.executed_seq_id = 3", "writes .executed_seq_id outside its owner"),
         ("run.optim_steps += 1", "writes .optim_steps outside its owner"),
         ("update(Operation).values(payload_pruned_at=now)", "writes payload_pruned_at= outside"),
+        ("run.tokens_trained += 10", "writes .tokens_trained outside its owner"),
+        ("run.loaded_from_version_id = v.id", "writes .loaded_from_version_id outside"),
         ("op.status, op.finished_at = OpStatus.FAILED, now", "writes .status outside"),
     ],
 )
