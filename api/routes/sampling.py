@@ -43,7 +43,8 @@ def create_sampling_session(
     if (body.base_model is None) == (body.model_path is None):
         raise InvalidInput(
             "pass exactly one of base_model (sample the base model) or model_path (a tinker:// "
-            "checkpoint to sample from)"
+            "checkpoint or a registry reference, package@alias or package:version, to sample "
+            "from)"
         )
     with state.database.transaction() as db:
         require_session(db, state, principal, body.session_id)

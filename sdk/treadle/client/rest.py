@@ -1,6 +1,7 @@
 """RestClient: list and manage training runs and checkpoints, and download checkpoint files.
 
-These calls need no session. Checkpoints are addressed by their `tinker://` path throughout.
+These calls need no session. Checkpoints are addressed by their `tinker://` path throughout;
+`get_weights_info` also takes a registry reference (`package@alias`, `package:version`).
 As in tinker's SDK, every method returns an `APIFuture` at once (`.result()` waits for the
 answer, `await` works too), and has an `*_async` twin that returns the value itself.
 """
@@ -282,7 +283,8 @@ class RestClient:
         )
 
     def get_weights_info(self, path: str) -> APIFuture[WeightsInfoResponse]:
-        """Base model and LoRA shape of a checkpoint."""
+        """Base model and LoRA shape of a checkpoint, named by its `tinker://` path or a
+        registry reference (`package@alias`, `package:version`)."""
         return self._future(self.get_weights_info_async(path))
 
     async def get_weights_info_async(self, path: str) -> WeightsInfoResponse:

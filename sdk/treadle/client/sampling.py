@@ -42,7 +42,8 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 
 
 class SamplingClient(ResolvedClient):
-    """Samples from one sampling session (a base model or a `tinker://` sampler checkpoint).
+    """Samples from one sampling session (a base model, or saved weights: a `tinker://` path
+    or a registry reference).
 
     Create one with `ServiceClient.create_sampling_client` or
     `TrainingClient.save_weights_and_get_sampling_client`.
@@ -216,14 +217,21 @@ class SamplingClient(ResolvedClient):
         return response
 
 
+def _names_weights(path: str) -> bool:
+    """Whether `path` reads as a tinker path or a registry reference (the server checks the
+    rest): a package name holds no `@`, and a reference without one ends in `:<version>`."""
+    return path.startswith(TINKER_SCHEME) or "@" in path or ":" in path
+
+
 async def open_sampling_client(
     session: Session, base_model: str | None, model_path: str | None
 ) -> SamplingClient:
-    """Open a sampling session on a base model or a `tinker://` sampler checkpoint.
+    """Open a sampling session on a base model, or on saved weights: a `tinker://` path or a
+    registry reference (`package@alias`, `package:version`).
 
     Raises:
-        InvalidArgumentError: neither or both of base_model and model_path, or a path not
-            `tinker://`.
+        InvalidArgumentError: neither or both of base_model and model_path, or a model_path
+            that is neither a `tinker://` path nor a registry reference.
         NotFoundError: the checkpoint does not exist (or is not yours).
     """
     check_type("create_sampling_client", "base_model", base_model, optional(str))
@@ -231,12 +239,13 @@ async def open_sampling_client(
     if (base_model is None) == (model_path is None):
         raise InvalidArgumentError(
             "pass exactly one of base_model (sample the base model) or model_path "
-            "(a tinker:// sampler checkpoint)"
+            "(a tinker:// sampler checkpoint or a registry reference)"
         )
-    if model_path is not None and not model_path.startswith(TINKER_SCHEME):
+    if model_path is not None and not _names_weights(model_path):
         raise InvalidArgumentError(
-            f"model_path {model_path!r} must start with {TINKER_SCHEME}, e.g. the "
-            "`path` of save_weights_for_sampler's result"
+            f"model_path {model_path!r} is neither a {TINKER_SCHEME} path (e.g. the `path` of "
+            "save_weights_for_sampler's result) nor a registry reference (package@alias or "
+            "package:version)"
         )
     http = session.connection.http
     body: dict[str, Any] = {

@@ -238,7 +238,9 @@ class ServiceClient:
         """A new run starting from a checkpoint's weights, with a fresh optimizer.
 
         Args:
-            path: a `tinker://<run>/weights/<name>` checkpoint (yours or a published one).
+            path: a `tinker://<run>/weights/<name>` checkpoint (yours or a published one),
+                or a registry reference to one of yours: `package@alias` (`@latest` is the
+                newest ready version) or `package:version`.
             base_model: the checkpoint's base model; None reads it from the checkpoint.
             user_metadata: stored on the new run.
 
@@ -262,7 +264,8 @@ class ServiceClient:
         Args and return as for `create_training_client_from_state`.
 
         Raises:
-            NotFoundError: no such checkpoint (or not yours).
+            NotFoundError: no such checkpoint (or not yours), or a reference naming an
+                expired, failed or deleted version.
             BadRequestError: the checkpoint holds no optimizer state (a sampler checkpoint).
         """
         return self._conn.run(self._create_from_state(path, True, base_model, user_metadata))
@@ -292,10 +295,12 @@ class ServiceClient:
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None
     ) -> SamplingClient:
-        """Sample from a base model, or from a `tinker://.../sampler_weights/...` checkpoint.
+        """Sample from a base model, or from saved weights.
 
         Args:
-            model_path: a sampler checkpoint (first, as in tinker's SDK).
+            model_path: saved weights (first, as in tinker's SDK): a
+                `tinker://.../sampler_weights/...` checkpoint, or a registry reference
+                (`package@alias`, `package:version`).
             base_model: a model from `get_server_capabilities()`.
 
         Returns:
@@ -303,7 +308,7 @@ class ServiceClient:
 
         Raises:
             InvalidArgumentError: neither or both of base_model and model_path were given, or
-                model_path is not a `tinker://` path.
+                model_path is neither a `tinker://` path nor a registry reference.
             NotFoundError: the checkpoint does not exist (or is not yours).
         """
         return self._conn.run(open_sampling_client(self._session, base_model, model_path))

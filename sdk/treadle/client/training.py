@@ -236,11 +236,16 @@ class TrainingClient(ResolvedClient):
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Replace this run's weights with a checkpoint's (optimizer state untouched).
 
+        Args:
+            path: a `tinker://` checkpoint path, or a registry reference (`package@alias`,
+                `package:version`).
+
         Raises:
             InvalidArgumentError: at once, when `path` is not a string.
             NotFoundError: through the future, when no such checkpoint exists (or it is not
                 yours); the same class `create_training_client_from_state` raises.
-            BadRequestError: through the future, when `path` is not a `tinker://` path.
+            BadRequestError: through the future, when `path` is neither a `tinker://` path
+                nor a registry reference.
         """
         check_type("load_state", "path", path, str)
         return self._ops.json_op(
@@ -253,12 +258,16 @@ class TrainingClient(ResolvedClient):
     def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Replace this run's weights and optimizer state with a `save_state` checkpoint's.
 
+        Args:
+            path: as for `load_state`; a reference must name a `save_state` version.
+
         Raises:
             InvalidArgumentError: at once, when `path` is not a string.
             NotFoundError: through the future, when no such checkpoint exists (or it is not
                 yours).
             BadRequestError: through the future, when the checkpoint holds no optimizer
-                state (a sampler checkpoint) or `path` is not a `tinker://` path.
+                state (a sampler checkpoint) or `path` is neither a `tinker://` path nor a
+                registry reference.
         """
         check_type("load_state_with_optimizer", "path", path, str)
         return self._ops.json_op(
@@ -324,10 +333,12 @@ class TrainingClient(ResolvedClient):
         return saved.map(self._sampling_client_for)
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
-        """A SamplingClient on a sampler checkpoint (e.g. from `save_weights_for_sampler`).
+        """A SamplingClient on a sampler checkpoint (e.g. from `save_weights_for_sampler`), by
+        its `tinker://` path or a registry reference (`package@alias`, `package:version`).
 
         Raises:
-            InvalidArgumentError: `model_path` is not a `tinker://` path string.
+            InvalidArgumentError: `model_path` is neither a `tinker://` path nor a registry
+                reference.
             NotFoundError: the checkpoint does not exist (or is not yours).
         """
         return self._conn.run(open_sampling_client(self._session, None, model_path))
