@@ -22,12 +22,18 @@ from core.errors import InvalidInput, NotFound
 from core.tables import ModelPackage, ModelVersion, TrainingRun, VersionStatus
 from treadle.types.checkpoints import checkpoint_name_problem
 
+# A tinker path's segment names the kind of save that made it; `external` (what the tinker
+# protocol calls every export) stands for both export kinds, which share one segment.
 KIND_BY_SEGMENT = {
     "weights": "training",
     "sampler_weights": "sampler",
     "external_weights": "external",
 }
-SEGMENT_BY_KIND = {kind: segment for segment, kind in KIND_BY_SEGMENT.items()}
+# An export is a PEFT adapter folder (`adapter`) or a merged Hugging Face model (`merged`).
+EXPORT_KINDS = ("adapter", "merged")
+SEGMENT_BY_KIND = {kind: segment for segment, kind in KIND_BY_SEGMENT.items()} | {
+    kind: "external_weights" for kind in EXPORT_KINDS
+}
 MIN_TTL_SECONDS = 3600
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
 

@@ -171,15 +171,16 @@ class Saves:
                     ErrorCode.UNSUPPORTED,
                 )
             )
+        kind = "merged" if request.merged else "adapter"
         size, register = self._write(
             task,
-            "external",
+            kind,
             request.path,
             optimizer=False,
-            export="merged" if request.merged else "adapter",
+            export=kind,
             ttl_seconds=request.ttl_seconds,
         )
-        path = checkpoints.tinker_path(task.target_id, "external", request.path)
+        path = checkpoints.tinker_path(task.target_id, kind, request.path)
         return Outcome.json(
             SaveWeightsExternalResponse(path=path, size_bytes=size),
             usage=[UsageLine("checkpoint", 1)],

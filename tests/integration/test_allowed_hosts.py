@@ -59,7 +59,7 @@ def served(
                 db,
                 clock,
                 run=run,
-                kind="external",
+                kind="adapter",
                 name="c",
                 artifact_uri=uri,
                 size_bytes=size,

@@ -47,7 +47,7 @@ class Env:
     def seed(
         self,
         tenant: TenantKey,
-        names: tuple[tuple[str, str], ...] = (("training", "a"), ("external", "c")),
+        names: tuple[tuple[str, str], ...] = (("training", "a"), ("adapter", "c")),
         user_metadata: dict[str, Any] | None = None,
         ttl_seconds: int | None = None,
     ) -> str:
@@ -141,7 +141,7 @@ def test_runs_listing_and_view_match_tinker_types(env: Env) -> None:
 
 def test_checkpoint_listing_and_weights_info(env: Env) -> None:
     tenant = env.make_tenant()
-    run_id = env.seed(tenant, names=(("training", "a"), ("sampler", "b"), ("external", "c")))
+    run_id = env.seed(tenant, names=(("training", "a"), ("sampler", "b"), ("merged", "c")))
     listed = env.client.get(f"/api/v1/training_runs/{run_id}/checkpoints", headers=_h(tenant))
     parsed = tinker_types.CheckpointsListResponse.model_validate(listed.json())
     assert {(c.checkpoint_id, c.checkpoint_type) for c in parsed.checkpoints} == {
@@ -191,7 +191,7 @@ def test_ttl_hides_expired_checkpoints(env: Env) -> None:
 
 def test_signed_urls_expire_and_follow_public_url(env: Env) -> None:
     tenant = env.make_tenant()
-    run_id = env.seed(tenant, names=(("external", "c"),))
+    run_id = env.seed(tenant, names=(("adapter", "c"),))
     base = f"/api/v1/training_runs/{run_id}/checkpoints/external_weights/c"
     env.state.settings.public_url = "https://treadle.example/prefix/"
     try:
@@ -216,7 +216,7 @@ def test_signed_urls_expire_and_follow_public_url(env: Env) -> None:
 
 def test_download_links_stop_with_the_checkpoint_and_refuse_traversal(env: Env) -> None:
     tenant = env.make_tenant()
-    run_id = env.seed(tenant, names=(("external", "c"),))
+    run_id = env.seed(tenant, names=(("adapter", "c"),))
     base = f"/api/v1/training_runs/{run_id}/checkpoints/external_weights/c"
     urls = env.client.get(f"{base}/external_weights_urls", headers=_h(tenant)).json()["urls"]
     url = urls["adapter_config.json"].split("/api/v1/", 1)[1]
