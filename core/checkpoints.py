@@ -361,6 +361,16 @@ def live(version: ModelVersion, clock: Clock) -> bool:
     )
 
 
+def downloadable(version: ModelVersion, clock: Clock) -> bool:
+    """Ready, with files, not expired: what a signed download link may still fetch (a version
+    named only by a registry reference has no tinker path but downloads all the same)."""
+    return (
+        version.status == VersionStatus.READY
+        and version.artifact_uri is not None
+        and not _expired(version, clock.now())
+    )
+
+
 def has_public(db: OrmSession, clock: Clock, run_id: str) -> bool:
     """Whether any live checkpoint of `run_id` is published (its run is then readable by all)."""
     now = clock.now()

@@ -1,9 +1,10 @@
 """Signed, expiring download tokens for the files of a saved checkpoint.
 
-A token names one file (model version id and the file's path inside the artifact) and an expiry
-time, and carries an HMAC-SHA256 over both under the server secret. Whoever holds it may fetch
-that one file until it expires, without an API key: the tinker CLI downloads signed URLs with
-plain urllib. This module knows nothing of HTTP or of where artifacts live.
+A token names one file (model version id and the file's path inside the artifact), or the
+archive of a whole version, and an expiry time, and carries an HMAC-SHA256 over them under the
+server secret. Whoever holds it may fetch that file or archive until it expires, without an API
+key: the tinker CLI downloads signed URLs with plain urllib. This module knows nothing of HTTP
+or of where artifacts live.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from datetime import UTC, datetime
 
 from core.errors import PermissionDenied
 
-# Domain separation: the same secret also keys API-key hashes.
+# Domain separation: the same secret also keys API-key hashes, and a file's token never
+# passes for an archive's.
 _PURPOSE = b"treadle-artifact-download-v1\n"
+_ARCHIVE_PURPOSE = b"treadle-artifact-archive-v1\n"
 
 
 class InvalidDownloadToken(PermissionDenied):
@@ -36,20 +39,28 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def _mac(secret: bytes, version_id: str, relpath: str, expires: int) -> bytes:
-    message = _PURPOSE + f"{version_id}\n{relpath}\n{expires}".encode()
+def _mac(
+    secret: bytes, version_id: str, relpath: str, expires: int, purpose: bytes = _PURPOSE
+) -> bytes:
+    message = purpose + f"{version_id}\n{relpath}\n{expires}".encode()
     return hmac.new(secret, message, hashlib.sha256).digest()
 
 
-def sign_download(secret: bytes, version_id: str, relpath: str, expires_at: datetime) -> str:
-    """A URL-safe token allowing a download of `relpath` of `version_id` until `expires_at`."""
+def sign_download(
+    secret: bytes, version_id: str, relpath: str, expires_at: datetime, *, archive: bool = False
+) -> str:
+    """A URL-safe token allowing a download of `relpath` of `version_id` until `expires_at`;
+    with `archive`, of the whole version as one archive (`relpath` then names the archive)."""
     expires = int(expires_at.timestamp())
     payload = _b64(f"{version_id}\n{expires}".encode())
-    return f"{payload}.{_b64(_mac(secret, version_id, relpath, expires))}"
+    purpose = _ARCHIVE_PURPOSE if archive else _PURPOSE
+    return f"{payload}.{_b64(_mac(secret, version_id, relpath, expires, purpose))}"
 
 
-def verify_download(secret: bytes, token: str, relpath: str, now: datetime) -> str:
-    """The model version id the token grants `relpath` of.
+def verify_download(
+    secret: bytes, token: str, relpath: str, now: datetime, *, archive: bool = False
+) -> str:
+    """The model version id the token grants `relpath` of (with `archive`, the archive of).
 
     Raises:
         InvalidDownloadToken: the token is malformed, altered, or for another file.
@@ -66,7 +77,8 @@ def verify_download(secret: bytes, token: str, relpath: str, now: datetime) -> s
         given = _unb64(signature)
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise invalid from None
-    if not hmac.compare_digest(given, _mac(secret, version_id, relpath, expires)):
+    purpose = _ARCHIVE_PURPOSE if archive else _PURPOSE
+    if not hmac.compare_digest(given, _mac(secret, version_id, relpath, expires, purpose)):
         raise invalid
     if now.timestamp() >= expires:
         when = datetime.fromtimestamp(expires, UTC).isoformat()

@@ -30,7 +30,7 @@ def download(token: str, relpath: str, state: State) -> FileResponse:
     gone = NotFound("this checkpoint was deleted or has expired; its download links no longer work")
     with state.database.reader() as db:
         version = db.get(ModelVersion, version_id)
-        if version is None or not checkpoints.live(version, state.clock):
+        if version is None or not checkpoints.downloadable(version, state.clock):
             raise gone
         uri = version.artifact_uri
     try:

@@ -77,6 +77,7 @@ def valid_bodies(ids: Ids, seq_ids: Iterator[int]) -> dict[str, dict[str, Any]]:
         "client/config": {"sdk_version": "0.38.0"},
         "client/dynamic_config": {"sdk_version": "0.38.0"},
         "weights_info": {"tinker_path": ids.checkpoint_path},
+        "registry/download_urls": {"path": ids.checkpoint_path},
         ids.checkpoint_ttl_route: {"ttl_seconds": 86_400},
         "create_session": {"tags": ["corpus"], "user_metadata": {"k": "v"}},
         "session_heartbeat": {"session_id": ids.session_id},

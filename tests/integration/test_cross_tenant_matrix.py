@@ -70,6 +70,7 @@ class Kind(enum.Enum):
     REQUEST = "request id"
     CHECKPOINT = "checkpoint"  # a tinker:// path, or run_id + kind + name in a URL
     LINK = "download link"  # token + relpath in a URL
+    ARCHIVE = "archive link"  # token + archive name in a URL
 
 
 class Marker(enum.Enum):
@@ -299,6 +300,13 @@ ROUTES: dict[tuple[str, str], Route] = {
     ),
     ("GET", f"{API}/artifacts/{{token}}/{{relpath}}"): Route(
         (Call({("token", "relpath"): LINK}, public_ref=("token", "relpath")),),
+        keyless="a link the server signed is the permission, as for any download",
+    ),
+    ("POST", f"{API}/registry/download_urls"): Route(
+        (Call({("path",): CHECKPOINT}, public_ref=("path",)),)
+    ),
+    ("GET", f"{API}/archives/{{token}}/{{filename}}"): Route(
+        (Call({("token", "filename"): Kind.ARCHIVE}, public_ref=("token", "filename")),),
         keyless="a link the server signed is the permission, as for any download",
     ),
 }
@@ -540,6 +548,24 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
                 "a link to A's export, signed by the server (the link is the permission)",
                 f"{sign_download(settings.secret_bytes(), version_id, relpath, expires)}/{relpath}",
                 f"{sign_download(settings.secret_bytes(), fake_version, relpath, expires)}/{relpath}",
+                public=True,
+            ),
+        ],
+        Kind.ARCHIVE: [
+            Obj(
+                "an archive link to A's export, signed without the server's secret",
+                f"{sign_download(forged_secret, version_id, 'e.tar', expires, archive=True)}/e.tar",
+                f"{sign_download(forged_secret, fake_version, 'e.tar', expires, archive=True)}/e.tar",
+            ),
+            Obj(
+                "a file's link to A's export, used for its archive",
+                f"{sign_download(settings.secret_bytes(), version_id, 'e.tar', expires)}/e.tar",
+                f"{sign_download(settings.secret_bytes(), fake_version, 'e.tar', expires)}/e.tar",
+            ),
+            Obj(
+                "an archive link to A's export, signed by the server (the link is the permission)",
+                f"{sign_download(settings.secret_bytes(), version_id, 'e.tar', expires, archive=True)}/e.tar",
+                f"{sign_download(settings.secret_bytes(), fake_version, 'e.tar', expires, archive=True)}/e.tar",
                 public=True,
             ),
         ],

@@ -23,6 +23,7 @@ PUBLIC = {
     ("post", "/api/v1/client/config"),
     ("post", "/api/v1/client/dynamic_config"),
     ("get", "/api/v1/artifacts/{token}/{relpath}"),
+    ("get", "/api/v1/archives/{token}/{filename}"),
     # The Hugging Face hub endpoint for tokenizers (api/routes/hub.py).
     ("get", "/hf/{repo_id}/resolve/{revision}/{filename}"),
     ("head", "/hf/{repo_id}/resolve/{revision}/{filename}"),

@@ -59,6 +59,7 @@ from treadle.types.datum import (
     ProvenanceSpan,
     SampledProvenanceSpan,
 )
+from treadle.types.downloads import DownloadFile, DownloadUrlsRequest, DownloadUrlsResponse
 from treadle.types.error_code import ErrorCode
 from treadle.types.futures import (
     CancelFutureRequest,
@@ -272,6 +273,9 @@ __all__ = [
     "DimuonOptimizerConfig",
     "DimuonParams",
     "DmelChunk",
+    "DownloadFile",
+    "DownloadUrlsRequest",
+    "DownloadUrlsResponse",
     "EncodedTextChunk",
     "ErrorCategory",
     "ErrorCode",
