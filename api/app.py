@@ -28,6 +28,7 @@ from api.routes import (
     futures,
     hub,
     models,
+    registry,
     runs,
     sampling,
     sessions,
@@ -38,7 +39,7 @@ from api.routes import (
 from billing import jobs as billing_jobs
 from core import sessions as session_service
 from core.clock import Clock, SystemClock
-from core.objectstore import LocalArtifactStore
+from core.objectstore import open_store
 from core.settings import Mode, Settings
 from scheduler import retention
 from scheduler.dispatch import CeleryDispatcher, Dispatcher
@@ -57,7 +58,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     settings = settings or Settings()
     clock = clock or SystemClock()
     database = dbschema.open_database(settings)
-    store = LocalArtifactStore(settings.resolved_artifact_url)
+    store = open_store(settings)
     notifier: Notifier
     dispatcher: Dispatcher
     if settings.mode is Mode.DISTRIBUTED:
@@ -121,6 +122,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         billing_usage,
         audit,
         cost_estimate,
+        registry,
     ):
         app.include_router(module.router)
     # The last added runs first: hosts are checked before a body is read, and the size limit

@@ -15,10 +15,11 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, SQLColumnExpression, and_, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.orm import aliased, object_session
 
 from core import references
 from core.clock import Clock
-from core.errors import InvalidInput, NotFound
+from core.errors import ConfigurationError, InvalidInput, NotFound
 from core.tables import ModelPackage, ModelVersion, TrainingRun, VersionStatus
 from treadle.types.checkpoints import checkpoint_name_problem
 
@@ -150,9 +151,15 @@ def register(
     user_metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     lineage: Lineage | None = None,
+    pending: str | None = None,
 ) -> ModelVersion:
-    """Add a ready version for `run`. A nameless one (sampler snapshots) has no tinker path."""
+    """Add a ready version for `run`. A nameless one (sampler snapshots) has no tinker path.
+
+    `pending` is the id `begin_upload` gave before the artifact was uploaded: that version
+    becomes this one (ready) instead of a new one being added.
+    """
     lineage = lineage or Lineage()
+    held = _pending_upload(db, pending, artifact_uri) if pending is not None else None
     path = tinker_path(run.id, kind, check_name(name)) if name is not None else None
     if path is not None:
         existing = find_by_path(db, path)
@@ -164,15 +171,19 @@ def register(
             existing.status, existing.tinker_path = VersionStatus.DELETED, None
             db.flush()
     package = _package_for_run(db, clock, run)
-    latest = db.scalar(
-        select(func.max(ModelVersion.version)).where(ModelVersion.package_id == package.id)
+    latest = (
+        held.version
+        if held is not None
+        else db.scalar(
+            select(func.max(ModelVersion.version)).where(ModelVersion.package_id == package.id)
+        )
     )
     now = clock.now()
     version = ModelVersion(
-        id="mv_" + uuid.uuid4().hex[:16],
+        id=held.id if held is not None else "mv_" + uuid.uuid4().hex[:16],
         tenant_id=run.tenant_id,
         package_id=package.id,
-        version=(latest or 0) + 1,
+        version=latest if held is not None else (latest or 0) + 1,
         kind=kind,
         tinker_path=path,
         training_run_id=run.id,
@@ -194,9 +205,96 @@ def register(
         expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None,
         created_at=now,
     )
+    if held is not None:
+        version = db.merge(version)
+    else:
+        db.add(version)
+    db.flush()
+    return version
+
+
+def begin_upload(
+    db: OrmSession,
+    clock: Clock,
+    *,
+    run: TrainingRun,
+    kind: str,
+    name: str | None,
+    artifact_uri: str,
+    overwrite: bool = False,
+) -> ModelVersion:
+    """A pending version for a save about to upload its artifact to `artifact_uri`.
+
+    Committed before the upload starts, so an upload that dies half-way leaves a trace the
+    artifact collector finds (failed, or pending past the grace period) instead of unnamed
+    objects. It has no tinker path and no alias points at it until `register(pending=…)` makes
+    it ready. A save run again (a redelivered op writes the same URI) gets the same version.
+    A name already taken is refused here, before anything is uploaded.
+    """
+    if name is not None and not overwrite:
+        path = tinker_path(run.id, kind, check_name(name))
+        if find_by_path(db, path) is not None:
+            raise InvalidInput(
+                f"checkpoint {path} already exists; pick another name or pass overwrite=True"
+            )
+    again = db.scalar(
+        select(ModelVersion).where(
+            ModelVersion.artifact_uri == artifact_uri, ModelVersion.status == VersionStatus.PENDING
+        )
+    )
+    if again is not None:
+        return again
+    package = _package_for_run(db, clock, run)
+    latest = db.scalar(
+        select(func.max(ModelVersion.version)).where(ModelVersion.package_id == package.id)
+    )
+    version = ModelVersion(
+        id="mv_" + uuid.uuid4().hex[:16],
+        tenant_id=run.tenant_id,
+        package_id=package.id,
+        version=(latest or 0) + 1,
+        kind=kind,
+        training_run_id=run.id,
+        base_model=run.base_model,
+        artifact_uri=artifact_uri,
+        status=VersionStatus.PENDING,
+        created_at=clock.now(),
+    )
     db.add(version)
     db.flush()
     return version
+
+
+def fail_upload(db: OrmSession, version_id: str) -> None:
+    """The pending version's upload failed: it never becomes ready; its objects are collected."""
+    version = db.get(ModelVersion, version_id)
+    if version is not None and version.status == VersionStatus.PENDING:
+        version.status = VersionStatus.FAILED
+
+
+def fail_stale_uploads(db: OrmSession, clock: Clock, grace: timedelta) -> int:
+    """Mark failed the versions pending for longer than `grace` (their uploader died)."""
+    stale = db.scalars(
+        select(ModelVersion)
+        .where(
+            ModelVersion.status == VersionStatus.PENDING,
+            ModelVersion.created_at < clock.now() - grace,
+        )
+        .with_for_update(skip_locked=True)
+    ).all()
+    for version in stale:
+        version.status = VersionStatus.FAILED
+    return len(stale)
+
+
+def _pending_upload(db: OrmSession, version_id: str, artifact_uri: str) -> ModelVersion:
+    held = db.get(ModelVersion, version_id, with_for_update=True)
+    if held is None or held.status != VersionStatus.PENDING or held.artifact_uri != artifact_uri:
+        raise ConfigurationError(
+            f"the upload of {artifact_uri} took longer than the artifact store's grace period "
+            "and was given up; raise TREADLE_ARTIFACT_PENDING_GRACE_SECONDS, then save again"
+        )
+    return held
 
 
 def _expired(version: ModelVersion, now: datetime) -> bool:
@@ -296,14 +394,64 @@ def latest_of_kind(db: OrmSession, run_id: str, kind: str) -> ModelVersion | Non
 
 
 def mark_deleted(version: ModelVersion) -> str | None:
-    """Retire a version; returns its artifact URI for the caller to remove.
+    """Retire a version; returns its artifact URI for the caller to remove, or None when another
+    version still uses the same artifact (a promoted copy): the last one out removes it.
 
     The URI is cleared too, so anything still holding the version (a sampling session on it)
     learns the weights are gone instead of opening a missing folder.
     """
     uri, version.artifact_uri = version.artifact_uri, None
     version.status, version.tinker_path = VersionStatus.DELETED, None
+    db = object_session(version)
+    if uri is not None and db is not None:
+        db.flush()
+        if db.scalar(select(ModelVersion.id).where(_uses(uri)).limit(1)) is not None:
+            return None
     return uri
+
+
+def _uses(uri: str) -> ColumnElement[bool]:
+    """A version that still needs the artifact at `uri`: ready (expired or not) or uploading."""
+    return and_(
+        ModelVersion.artifact_uri == uri,
+        ModelVersion.status.in_((VersionStatus.READY, VersionStatus.PENDING)),
+    )
+
+
+def collectable(db: OrmSession, clock: Clock, limit: int) -> list[ModelVersion]:
+    """Up to `limit` versions whose artifact may be removed: deleted (overwritten), failed or
+    expired, with no other ready, unexpired or pending version on the same artifact."""
+    now = clock.now()
+    other = aliased(ModelVersion)
+    needed = (
+        select(other.id)
+        .where(
+            other.artifact_uri == ModelVersion.artifact_uri,
+            other.id != ModelVersion.id,
+            other.status.in_((VersionStatus.READY, VersionStatus.PENDING)),
+            or_(other.expires_at.is_(None), other.expires_at > now),
+        )
+        .exists()
+    )
+    gone = or_(
+        ModelVersion.status.in_((VersionStatus.DELETED, VersionStatus.FAILED)),
+        ModelVersion.expires_at <= now,
+    )
+    return list(
+        db.scalars(
+            select(ModelVersion)
+            .where(ModelVersion.artifact_uri.is_not(None), gone, ~needed)
+            .order_by(ModelVersion.created_at)
+            .limit(limit)
+            .with_for_update(of=ModelVersion, skip_locked=True)
+        )
+    )
+
+
+def forget_artifact(version: ModelVersion, uri: str) -> None:
+    """The artifact at `uri` was removed: the version no longer names it."""
+    if version.artifact_uri == uri:
+        version.artifact_uri = None
 
 
 def set_public(version: ModelVersion, public: bool) -> None:
@@ -322,6 +470,13 @@ def require_sampleable(
     sampling). `model_path` is the path the session was created from, for the message.
     """
     what = f"checkpoint {model_path}" if model_path else "the weights of this sampling session"
+    if (
+        version is not None
+        and version.status == VersionStatus.READY
+        and _expired(version, clock.now())
+    ):
+        # Checked first: the artifact collector clears an expired version's artifact.
+        raise NotFound(f"{what} has expired; create a new sampling client from a live checkpoint")
     if version is None or version.status != VersionStatus.READY or version.artifact_uri is None:
         raise NotFound(
             f"{what} was deleted or overwritten; create a new sampling client from a live "

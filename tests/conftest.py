@@ -6,6 +6,7 @@ import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +17,9 @@ from api import dbschema
 from core.db import Database
 from tests import services
 from tests.server import AppFactory, build_app
+
+if TYPE_CHECKING:
+    from tests.fakes.s3 import S3Server
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +38,26 @@ def postgres_url(postgres_admin_url: str) -> Iterator[str]:
 def redis_url() -> Iterator[str]:
     with services.redis_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """An S3-compatible server (moto) on loopback for the whole test session."""
+    from tests.fakes.s3 import s3_server as start
+
+    with start() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_artifact_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket's `s3://bucket/artifacts` URL, with this process's AWS variables pointing
+    at the test server (child processes inherit them)."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3_server.bucket()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -103,7 +103,7 @@ class Executor:
         # The API refused bodies that expand past this; ops logged before a limit was lowered
         # are held to it here too, while they are decompressed.
         self.max_request_bytes = max_request_bytes
-        self.saves = Saves(engine, store, clock)
+        self.saves = Saves(engine, store, database, clock)
 
     # --- forward_backward, batched across runs ------------------------------------------
 
@@ -346,7 +346,7 @@ class Executor:
         key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/snapshots/{task.seq_id}"
         folder = self.store.local_dir(key)
         self.engine.save_state(task.target_id, folder, include_optimizer=True)
-        return key, self.store.uri(key)
+        return key, self.store.publish(key)
 
     def _create_model(self, task: Task) -> Outcome:
         payload = decode_json_payload(task.payload, task.payload_codec)

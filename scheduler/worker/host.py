@@ -162,6 +162,7 @@ class WorkerHost:
             for file in self.engine.tokenizer_dir(name).iterdir():
                 if file.is_file() and file.name in TOKENIZER_FILES:
                     shutil.copy2(file, folder / file.name)
+            store.publish(tokenizer_key(name))
         now = self.clock.now()
         served = [
             {

@@ -14,7 +14,7 @@ import uuid
 
 from core.clock import SystemClock
 from core.db import Database
-from core.objectstore import LocalArtifactStore
+from core.objectstore import open_store
 from core.settings import Settings
 from scheduler.celery_app import make_celery, worker_queue
 from scheduler.notify import RedisNotifier
@@ -34,7 +34,7 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
 
     clock = SystemClock()
     database = Database(settings.resolved_database_url)
-    store = LocalArtifactStore(settings.resolved_artifact_url)
+    store = open_store(settings)
     assert settings.redis_url is not None
     notifier = RedisNotifier(settings.redis_url)
     host = start_host(

@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session as OrmSession
 from billing.ledger import UsageLine
 from core import checkpoints, runs
 from core.clock import Clock
-from core.errors import ErrorCode
+from core.db import Database
+from core.errors import ErrorCode, TreadleError
 from core.ids import sampling_session_id
 from core.objectstore import ArtifactStore
 from core.tables import ModelVersion, TrainingRun
@@ -37,9 +38,12 @@ if TYPE_CHECKING:
 
 
 class Saves:
-    def __init__(self, engine: Engine, store: ArtifactStore, clock: Clock) -> None:
+    def __init__(
+        self, engine: Engine, store: ArtifactStore, database: Database, clock: Clock
+    ) -> None:
         self.engine = engine
         self.store = store
+        self.database = database
         self.clock = clock
 
     def _write(
@@ -55,23 +59,35 @@ class Saves:
         user_metadata: dict[str, str] | None = None,
     ) -> tuple[int, Callable[[OrmSession], ModelVersion]]:
         """Write the run's weights to the store; returns their size and the callback that
-        registers them as a model version (run with the result's other writes)."""
+        registers them as a model version (run with the result's other writes).
+
+        A pending version is committed before the upload and becomes ready only with the
+        result, once every file is in place; an upload that raises marks it failed.
+        """
         key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/{kind}/{name or 'snapshot'}-{task.id}"
-        folder = self.store.local_dir(key)
-        if export == "merged":
-            self.engine.export_merged(task.target_id, folder)
-        elif export == "adapter":
-            self.engine.export_adapter(task.target_id, folder)
-        else:
-            self.engine.save_state(task.target_id, folder, include_optimizer=optimizer)
         uri = self.store.uri(key)
-        size, digest = self.store.size_and_digest(uri)
+        pending = self._begin(task, kind, name, uri, overwrite=overwrite)
+        try:
+            folder = self.store.local_dir(key)
+            if export == "merged":
+                self.engine.export_merged(task.target_id, folder)
+            elif export == "adapter":
+                self.engine.export_adapter(task.target_id, folder)
+            else:
+                self.engine.save_state(task.target_id, folder, include_optimizer=optimizer)
+            uri = self.store.publish(key)
+            size, digest = self.store.size_and_digest(uri)
+            files = [dataclasses.asdict(file) for file in self.store.files(uri)]
+        except BaseException:
+            with self.database.transaction() as db:
+                checkpoints.fail_upload(db, pending)
+            raise
         lineage = checkpoints.Lineage(
             session_id=task.session_id,
             seq_id=task.seq_id,
             created_by_key_id=task.api_key_id,
             base_revision=self.engine.catalog.revision(task.base_model),
-            files=[dataclasses.asdict(file) for file in self.store.files(uri)],
+            files=files,
         )
 
         def register(db: OrmSession) -> ModelVersion:
@@ -90,9 +106,28 @@ class Saves:
                 user_metadata=user_metadata,
                 overwrite=overwrite,
                 lineage=lineage,
+                pending=pending,
             )
 
         return size, register
+
+    def _begin(self, task: Task, kind: str, name: str | None, uri: str, *, overwrite: bool) -> str:
+        """The id of the pending version this save uploads for (committed at once)."""
+        try:
+            with self.database.transaction() as db:
+                run = db.get(TrainingRun, task.target_id)
+                assert run is not None
+                return checkpoints.begin_upload(
+                    db,
+                    self.clock,
+                    run=run,
+                    kind=kind,
+                    name=name,
+                    artifact_uri=uri,
+                    overwrite=overwrite,
+                ).id
+        except TreadleError as exc:
+            raise Refused(OpFailure.of(exc)) from exc
 
     def weights(self, task: Task) -> Outcome:
         request = SaveWeightsRequest.model_validate_json(
