@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -251,16 +252,35 @@ def checkpoints(
 
 @app.command()
 def download(
-    path: Annotated[str, typer.Argument(help="The checkpoint, e.g. tinker://RUN/weights/NAME.")],
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="The version: a tinker path (tinker://RUN/weights/NAME) or a registry "
+            "reference (PACKAGE@ALIAS, PACKAGE:VERSION)."
+        ),
+    ],
     out: Annotated[
         Path | None,
-        typer.Option("--out", "-o", help="Destination folder (default: ./<checkpoint name>)."),
+        typer.Option(
+            "--out",
+            "-o",
+            help="Destination folder (default: ./<checkpoint name> or ./<package>-<version>).",
+        ),
     ] = None,
+    archive: Annotated[
+        bool,
+        typer.Option("--archive", help="Download one tar archive of the version instead."),
+    ] = False,
     base_url: BaseUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Download every file of a checkpoint, with a progress bar."""
-    destination = out or Path(path.rstrip("/").rsplit("/", 1)[-1])
+    """Download every file of a version, with a progress bar; run it again to resume."""
+    if out is not None:
+        destination = out
+    elif path.startswith("tinker://"):
+        destination = Path(path.rstrip("/").rsplit("/", 1)[-1])
+    else:  # a registry reference: package@alias or package:version
+        destination = Path(re.sub(r"[@:/]", "-", path))
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -277,11 +297,16 @@ def download(
 
     with _rest(base_url, api_key) as rest, progress:
         try:
-            folder = rest.download_checkpoint(path, destination, on_progress).result()
+            saved = rest.download_checkpoint(
+                path, destination, on_progress, archive=archive
+            ).result()
         except ValueError as exc:
             errors.print(Text.assemble(("error: ", "red"), str(exc)))
             raise typer.Exit(2) from exc
-    console.print(Text(f"downloaded {len(tasks)} files to {folder}"))
+    if archive:
+        console.print(Text(f"downloaded {saved}"))
+    else:
+        console.print(Text(f"downloaded {len(tasks)} files to {saved}"))
 
 
 @app.command()

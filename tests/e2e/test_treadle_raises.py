@@ -120,6 +120,19 @@ def _custom_loss(data: list[types.Datum], logprobs: list[Any]) -> tuple[Any, dic
     raise AssertionError("never reached: the datum has no target_tokens")
 
 
+def _damaged_part(w: World) -> None:
+    """A `.part` file of the full size but other bytes: the digest check refuses it."""
+    import tempfile
+
+    urls = w.rest.get_download_urls(w.weights).result(timeout=60)
+    with tempfile.TemporaryDirectory() as folder:
+        first = urls.files[0]
+        part = Path(folder) / f"{first.path}.part"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(b"x" * first.size_bytes)
+        w.rest.download_checkpoint(w.weights, folder).result(timeout=60)
+
+
 Trigger = Callable[[World], Any]
 LONG_PROMPT = types.ModelInput.from_ints([1] * 5000)
 
@@ -207,6 +220,10 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ),
     ("RestClient.download_checkpoint", "NotFoundError"): lambda w: w.rest.download_checkpoint(
         w.missing(), Path("never-written")
+    ).result(timeout=60),
+    ("RestClient.download_checkpoint", "RequestFailedError"): _damaged_part,
+    ("RestClient.get_download_urls", "NotFoundError"): lambda w: w.rest.get_download_urls(
+        w.missing()
     ).result(timeout=60),
     ("RestClient.get_session", "NotFoundError"): lambda w: w.rest.get_session(
         "no-such-session"

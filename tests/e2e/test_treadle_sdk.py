@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import multiprocessing
 import pickle
+import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -283,13 +284,26 @@ def test_transient_failures_are_retried_without_duplicate_ops(live_server: LiveS
 def test_export_and_cli(
     live_server: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An adapter export: listed, downloaded by the CLI (by path, by registry reference, as one
+    archive, resumed after an interruption), and loaded by peft on the base model built here,
+    where it reproduces the server's logprobs."""
+    from peft import PeftModel
+
+    from gpu_worker.catalog import Catalog
+
+    prompt = [11, 12, 13, 14, 15, 16]
     key = live_server.make_tenant().key
     with treadle.ServiceClient(base_url=live_server.base_url, api_key=key) as service:
         trainer = service.create_lora_training_client(MODEL, rank=4, seed=1)
         trainer.forward_backward([sft_datum()], "cross_entropy")
-        trainer.optim_step(types.AdamParams(learning_rate=1e-2))
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2))
         exported = trainer.export("peft").result().path
         assert exported.endswith("/external_weights/peft")
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        served = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+        urls = service.create_rest_client().get_download_urls(exported).result()
+    assert urls.kind == "adapter"
+    reference = f"{trainer.model_id}:1"  # the run's package, its first version: the export
 
     monkeypatch.setattr(cli, "console", Console(width=400, emoji=False, highlight=False))
     monkeypatch.setenv("TREADLE_BASE_URL", live_server.base_url)
@@ -304,9 +318,41 @@ def test_export_and_cli(
     downloaded = runner.invoke(cli.app, ["download", exported, "--out", str(out)])
     assert downloaded.exit_code == 0, downloaded.output
     assert (out / "adapter_config.json").is_file()
-    assert any(out.glob("adapter_model.*"))
+    assert (out / "adapter_model.safetensors").is_file()
+
+    model = PeftModel.from_pretrained(Catalog().load_model(MODEL), str(out)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    local = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(prompt[1:])[:, None])
+    assert served[0] is None
+    assert torch.allclose(torch.tensor(served[1:]), local[:, 0], atol=1e-4)
+
+    # An interrupted download (a .part file holding the first bytes) is continued by a rerun.
+    by_reference = tmp_path / "by-reference"
+    weights = (out / "adapter_model.safetensors").read_bytes()
+    by_reference.mkdir()
+    (by_reference / "adapter_model.safetensors.part").write_bytes(weights[: len(weights) // 3])
+    resumed = runner.invoke(cli.app, ["download", reference, "-o", str(by_reference)])
+    assert resumed.exit_code == 0, resumed.output
+    assert {p.name for p in by_reference.iterdir()} == {p.name for p in out.iterdir()}
+    assert all((by_reference / p.name).read_bytes() == p.read_bytes() for p in out.iterdir())
+
+    archived = tmp_path / "archived"
+    archived.mkdir()
+    whole = httpx.get(urls.archive_url).content
+    (archived / "peft.tar.part").write_bytes(whole[:1500])
+    fetched = runner.invoke(cli.app, ["download", exported, "--archive", "-o", str(archived)])
+    assert fetched.exit_code == 0, fetched.output
+    assert (archived / "peft.tar").read_bytes() == whole
+    with tarfile.open(archived / "peft.tar") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    assert members == {p.name: p.read_bytes() for p in out.iterdir()}
+
     missing = runner.invoke(cli.app, ["download", exported.replace("peft", "nope")])
     assert missing.exit_code == 1, missing.output
+    stranger = live_server.make_tenant().key
+    foreign = runner.invoke(cli.app, ["download", reference, "--api-key", stranger])
+    assert foreign.exit_code == 1 and "not found" in foreign.output
 
 
 def test_merged_export_loads_in_transformers_with_the_trained_weights(
@@ -327,8 +373,11 @@ def test_merged_export_loads_in_transformers_with_the_trained_weights(
         sampler = trainer.save_weights_and_get_sampling_client().result()
         served = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
         out = tmp_path / "merged"
-        service.create_rest_client().download_checkpoint(path, out).result()
-    assert (out / "config.json").is_file()
+        rest = service.create_rest_client()
+        assert rest.get_download_urls(path).result().kind == "merged"
+        rest.download_checkpoint(path, out).result()
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0].float()

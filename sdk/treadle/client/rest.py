@@ -9,22 +9,25 @@ answer, `await` works too), and has an `*_async` twin that returns the value its
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
 from treadle._connection import Connection
-from treadle.errors import APIConnectionError, RequestFailedError, error_from_response
+from treadle.client import downloads
+from treadle.client.downloads import ProgressFn
 from treadle.futures import APIFuture
 from treadle.types import (
     CheckpointPath,
     CheckpointsListResponse,
     CostEstimateRequest,
     CostEstimateResponse,
+    DownloadUrlsResponse,
     ExternalWeightsUrlsResponse,
     FinishSessionResponse,
     ListSessionsResponse,
@@ -38,8 +41,6 @@ from treadle.types import (
 
 T = TypeVar("T")
 AccessScope = Literal["owned", "accessible"]
-ProgressFn = Callable[[str, int, int | None], None]
-"""`(relative file path, bytes received so far, file size or None)`."""
 
 
 class RestClient:
@@ -309,64 +310,83 @@ class RestClient:
             )
         )
 
-    def download_checkpoint(
-        self, path: str, destination: str | Path, on_progress: ProgressFn | None = None
-    ) -> APIFuture[Path]:
-        """Download every file of a checkpoint into `destination` (created if missing).
+    def get_download_urls(self, path: str) -> APIFuture[DownloadUrlsResponse]:
+        """Signed, expiring URLs for each file of a version and for a tar archive of all.
 
         Args:
-            on_progress: called as bytes arrive with (file, bytes so far, file size or None).
-
-        Returns:
-            The destination folder.
+            path: a `tinker://` path or a registry reference (`package@alias`,
+                `package:version`) of a version the caller may read.
 
         Raises:
-            NotFoundError: no such checkpoint, or its files are gone.
-            APIConnectionError: a download failed midway.
+            NotFoundError: no such version for this caller, it expired, or its files are gone.
         """
-        return self._future(self._download(path, Path(destination), on_progress))
+        return self._future(self.get_download_urls_async(path))
+
+    async def get_download_urls_async(self, path: str) -> DownloadUrlsResponse:
+        async def post() -> DownloadUrlsResponse:
+            response = await self._conn.http.request(
+                "POST", "/api/v1/registry/download_urls", json={"path": path}
+            )
+            return DownloadUrlsResponse.model_validate(response.json())
+
+        return await self._conn.call(post())
+
+    def download_checkpoint(
+        self,
+        path: str,
+        destination: str | Path,
+        on_progress: ProgressFn | None = None,
+        *,
+        archive: bool = False,
+    ) -> APIFuture[Path]:
+        """Download every file of a version into `destination` (created if missing).
+
+        An interrupted download leaves `<file>.part` files; calling again continues them where
+        they stopped, and files already in place with the right sha256 are not fetched again.
+        Each file is checked against the sha256 the server lists before it is renamed into
+        place.
+
+        Args:
+            path: a `tinker://` path or a registry reference (`package@alias`,
+                `package:version`).
+            on_progress: called as bytes arrive with (file, bytes so far, file size or None).
+            archive: fetch one tar archive of the version instead, as
+                `destination/<name>.tar` (its members checked against the version's files).
+
+        Returns:
+            The destination folder, or with `archive` the archive's path.
+
+        Raises:
+            NotFoundError: no such version, or its files are gone.
+            APIConnectionError: a download failed midway (call again to resume it).
+            RequestFailedError: a file arrived with the wrong digest (its partial file is
+                removed; call again).
+        """
+        return self._future(self._download(path, Path(destination), on_progress, archive))
 
     async def download_checkpoint_async(
-        self, path: str, destination: str | Path, on_progress: ProgressFn | None = None
+        self,
+        path: str,
+        destination: str | Path,
+        on_progress: ProgressFn | None = None,
+        *,
+        archive: bool = False,
     ) -> Path:
-        return await self._conn.call(self._download(path, Path(destination), on_progress))
+        return await self._conn.call(self._download(path, Path(destination), on_progress, archive))
 
-    async def _download(self, path: str, destination: Path, on_progress: ProgressFn | None) -> Path:
-        urls = await self._get(
-            _checkpoint_url(path) + "/external_weights_urls", ExternalWeightsUrlsResponse
+    async def _download(
+        self, path: str, destination: Path, on_progress: ProgressFn | None, archive: bool
+    ) -> Path:
+        response = await self._conn.http.request(
+            "POST", "/api/v1/registry/download_urls", json={"path": path}
         )
-        root = destination.resolve()
+        urls = DownloadUrlsResponse.model_validate(response.json())
         # The signed URL is the permission; never send the API key to wherever it points.
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as plain:
-            for relpath, url in sorted(urls.urls.items()):
-                target = (root / relpath).resolve()
-                if not target.is_relative_to(root):
-                    raise RequestFailedError(
-                        f"refusing to write {relpath!r} outside {root}: the server's file "
-                        "list is wrong; tell its operator",
-                        category="server",
-                    )
-                target.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    async with plain.stream("GET", url) as response:
-                        if not response.is_success:
-                            await response.aread()
-                            raise error_from_response(response)
-                        size = (
-                            int(response.headers["content-length"])
-                            if "content-length" in response.headers
-                            else None
-                        )
-                        received = 0
-                        with target.open("wb") as out:
-                            async for block in response.aiter_bytes(1 << 20):
-                                out.write(block)
-                                received += len(block)
-                                if on_progress is not None:
-                                    on_progress(relpath, received, size)
-                except httpx.TransportError as exc:
-                    raise APIConnectionError(f"downloading {relpath} failed: {exc!r}") from exc
-        return root
+            if archive:
+                name = unquote(urlsplit(urls.archive_url).path.rsplit("/", 1)[-1])
+                return await downloads.download_archive(plain, urls, destination, name, on_progress)
+            return await downloads.download_files(plain, urls, destination, on_progress)
 
     # -- sessions ---------------------------------------------------------------------------
 
