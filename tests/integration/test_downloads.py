@@ -8,10 +8,16 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
+import urllib.request
+from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
+from core.clock import FakeClock
+from tests.builders import tenant_factory
 from tests.integration.test_rest_api import FILES, Env, _h, env
+from tests.server import build_app
 
 pytestmark = pytest.mark.integration
 
@@ -131,3 +137,25 @@ def test_another_tenant_and_an_expired_version_get_404(env: Env) -> None:
         in env.client.post(URLS, json={"path": f"{run_id}:1"}, headers=_h(owner)).json()["detail"]
     )
     assert env.client.get(_local(archive_url)).status_code in (403, 404)
+
+
+def test_a_store_that_signs_urls_serves_the_files_and_treadle_the_archive(
+    s3_artifact_url: str, tmp_path: Path
+) -> None:
+    """With S3, each file's URL is the store's presigned one (no Treadle in between), and the
+    archive, streamed by Treadle from the store, holds the same bytes."""
+    clock = FakeClock()
+    app = build_app(tmp_path, clock=clock, artifact_url=s3_artifact_url)
+    state = app.state.treadle
+    with TestClient(app) as client:
+        env = Env(client, clock, tenant_factory(state.database, state.settings, clock), tmp_path)
+        tenant = env.make_tenant()
+        run_id = env.seed(tenant, names=(("adapter", "c"),))
+        body = client.post(URLS, json={"path": f"{run_id}:1"}, headers=_h(tenant)).json()
+        assert sorted(f["path"] for f in body["files"]) == sorted(FILES)
+        for file in body["files"]:
+            assert "/api/v1/" not in file["url"], file["url"]
+            with urllib.request.urlopen(file["url"]) as fetched:  # no credentials
+                assert fetched.read() == FILES[file["path"]]
+        archive = client.get(_local(body["archive_url"]))
+        assert archive.status_code == 200 and _untar(archive.content) == FILES

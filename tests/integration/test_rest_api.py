@@ -72,7 +72,7 @@ class Env:
                 for relpath, data in FILES.items():
                     (folder / relpath).parent.mkdir(parents=True, exist_ok=True)
                     (folder / relpath).write_bytes(data)
-                uri = self.state.store.uri(key)
+                uri = self.state.store.publish(key)
                 size, digest = self.state.store.size_and_digest(uri)
                 checkpoints.register(
                     db,
