@@ -442,3 +442,246 @@ def end_session(
 def main() -> None:
     """Entry point of the `treadle` console script."""
     app()
+
+
+registry_app = typer.Typer(
+    help="Your model registry: packages of versions, aliases, promotion and lineage. Name a "
+    "version anywhere a checkpoint path goes as PACKAGE@ALIAS or PACKAGE:VERSION.",
+    no_args_is_help=True,
+)
+app.add_typer(registry_app, name="registry")
+PackageArg = Annotated[str, typer.Argument(help="The package's name.")]
+VersionArg = Annotated[int, typer.Argument(help="The version's number in its package.")]
+
+
+def _done(message: str) -> None:
+    console.print(Text(message))
+
+
+@registry_app.command("packages")
+def registry_packages(
+    tag: Annotated[str | None, typer.Option(help="Only packages with this tag.")] = None,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+    limit: Annotated[int, typer.Option(help="How many packages to show.")] = 100,
+    offset: Annotated[int, typer.Option(help="Skip this many packages.")] = 0,
+    as_json: AsJson = False,
+    plain: Plain = False,
+) -> None:
+    """List your packages by name.
+
+    --plain columns: name, base model, versions, latest version, tags (comma-separated), run.
+    """
+    with _rest(base_url, api_key) as rest:
+        listing = rest.list_packages(tag=tag, limit=limit, offset=offset).result()
+    table = Table(title=f"packages ({listing.cursor.total_count} in all)")
+    for column in ("name", "base model", "versions", "latest", "tags", "run"):
+        table.add_column(column, overflow="fold")
+    rows = [
+        [
+            p.name,
+            p.base_model,
+            str(p.version_count),
+            str(p.latest_version or "-"),
+            ",".join(p.tags) or "-",
+            p.training_run_id or "-",
+        ]
+        for p in listing.packages
+    ]
+    _show(table, rows, rows, listing.model_dump(mode="json"), as_json=as_json, plain=plain)
+
+
+@registry_app.command("package")
+def registry_package(
+    name: PackageArg, base_url: BaseUrl = None, api_key: ApiKey = None, as_json: AsJson = False
+) -> None:
+    """Show one package and its aliases."""
+    with _rest(base_url, api_key) as rest:
+        package = rest.get_package(name).result()
+        aliases = rest.list_aliases(name).result().aliases
+    if as_json:
+        document = package.model_dump(mode="json") | {
+            "aliases": [a.model_dump(mode="json") for a in aliases]
+        }
+        typer.echo(json.dumps(document, indent=2))
+        return
+    table = Table(title=f"package {package.name}", show_header=False)
+    table.add_column("field")
+    table.add_column("value", overflow="fold")
+    for field, value in (
+        ("description", package.description or "-"),
+        ("base model", package.base_model),
+        ("tags", ", ".join(package.tags) or "-"),
+        ("training run", package.training_run_id or "-"),
+        ("versions", str(package.version_count)),
+        ("aliases", ", ".join(f"{a.name} → {a.version}" for a in aliases) or "-"),
+        ("created", _when(package.created_at)),
+    ):
+        table.add_row(*_cells(field, value))
+    console.print(table)
+
+
+@registry_app.command("create")
+def registry_create(
+    name: PackageArg,
+    base_model: Annotated[
+        str | None, typer.Option(help="Its base model (default: the --run's).")
+    ] = None,
+    description: Annotated[str | None, typer.Option(help="What it holds.")] = None,
+    tag: Annotated[list[str] | None, typer.Option(help="A tag; repeat for more.")] = None,
+    run: Annotated[
+        str | None, typer.Option("--run", help="Make it the package this run saves into.")
+    ] = None,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Create an empty package (to promote versions into, or for a run's saves)."""
+    with _rest(base_url, api_key) as rest:
+        rest.create_package(
+            name, base_model, description=description, tags=tag or [], training_run_id=run
+        ).result()
+    _done(f"created package {name}")
+
+
+@registry_app.command("rename")
+def registry_rename(
+    name: PackageArg,
+    new_name: Annotated[str, typer.Argument(help="The new name.")],
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Rename a package (references with the old name stop resolving)."""
+    with _rest(base_url, api_key) as rest:
+        rest.update_package(name, new_name=new_name).result()
+    _done(f"renamed package {name} to {new_name}")
+
+
+@registry_app.command("delete")
+def registry_delete(name: PackageArg, base_url: BaseUrl = None, api_key: ApiKey = None) -> None:
+    """Delete a package and its versions; delete its aliases first."""
+    with _rest(base_url, api_key) as rest:
+        rest.delete_package(name).result()
+    _done(f"deleted package {name}")
+
+
+@registry_app.command("versions")
+def registry_versions(
+    package: PackageArg,
+    status: Annotated[
+        str | None, typer.Option(help="Only this status: pending, ready, failed or deleted.")
+    ] = None,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+    limit: Annotated[int, typer.Option(help="How many versions to show.")] = 100,
+    offset: Annotated[int, typer.Option(help="Skip this many of the newest.")] = 0,
+    as_json: AsJson = False,
+    plain: Plain = False,
+) -> None:
+    """List a package's versions, newest first.
+
+    --plain columns: version, kind, status, created (ISO 8601), size in bytes, step, aliases,
+    tinker path or source version.
+    """
+    with _rest(base_url, api_key) as rest:
+        listing = rest.list_versions(package, status=status, limit=limit, offset=offset).result()
+    table = Table(title=f"{package}: {listing.cursor.total_count} versions")
+    for column in ("version", "kind", "status", "created", "size", "step", "aliases", "from"):
+        table.add_column(column, overflow="fold")
+    rows, plain_rows = [], []
+    for v in listing.versions:
+        head = [str(v.version), v.kind, v.status]
+        origin = v.tinker_path or (f"promoted from {v.source_version}" if v.source_version else "-")
+        tail = [str(v.step if v.step is not None else "-"), ", ".join(v.aliases) or "-", origin]
+        rows.append([*head, _when(v.created_at), _size(v.size_bytes), *tail])
+        size = "-" if v.size_bytes is None else str(v.size_bytes)
+        plain_rows.append([*head, _iso(v.created_at), size, *tail])
+    _show(table, rows, plain_rows, listing.model_dump(mode="json"), as_json=as_json, plain=plain)
+
+
+@registry_app.command("version")
+def registry_version(
+    package: PackageArg,
+    version: VersionArg,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Show one version: its lineage, files and aliases."""
+    with _rest(base_url, api_key) as rest:
+        found = rest.get_version(package, version).result()
+    if as_json:
+        typer.echo(json.dumps(found.model_dump(mode="json"), indent=2))
+        return
+    table = Table(title=f"{package}:{version}", show_header=False)
+    table.add_column("field")
+    table.add_column("value", overflow="fold")
+    for field, value in found.model_dump(exclude={"files", "package", "version"}).items():
+        table.add_row(*_cells(field.replace("_", " "), "-" if value in (None, []) else str(value)))
+    for file in found.files or []:
+        table.add_row(*_cells("file", f"{file.path} ({_size(file.size_bytes)}, {file.sha256})"))
+    console.print(table)
+
+
+@registry_app.command("promote")
+def registry_promote(
+    package: PackageArg,
+    version: VersionArg,
+    target: Annotated[str, typer.Argument(help="The package to add the version to.")],
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Add a version to another package of the same base model (its files are shared)."""
+    with _rest(base_url, api_key) as rest:
+        promoted = rest.promote_version(package, version, target).result()
+    _done(f"promoted {package}:{version} to {target}:{promoted.version}")
+
+
+@registry_app.command("alias")
+def registry_alias(
+    package: PackageArg,
+    alias: Annotated[str, typer.Argument(help="The alias, e.g. production.")],
+    version: VersionArg,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Point an alias at a ready version, creating or moving it."""
+    with _rest(base_url, api_key) as rest:
+        rest.set_alias(package, alias, version).result()
+    _done(f"{package}@{alias} → {package}:{version}")
+
+
+@registry_app.command("unalias")
+def registry_unalias(
+    package: PackageArg,
+    alias: Annotated[str, typer.Argument(help="The alias to delete.")],
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Delete an alias (its version stays)."""
+    with _rest(base_url, api_key) as rest:
+        rest.delete_alias(package, alias).result()
+    _done(f"deleted {package}@{alias}")
+
+
+@registry_app.command("lineage")
+def registry_lineage(
+    package: PackageArg,
+    base_url: BaseUrl = None,
+    api_key: ApiKey = None,
+    as_json: AsJson = False,
+    plain: Plain = False,
+) -> None:
+    """Show where a package's versions came from and went: runs that saved them, versions they
+    were promoted from or into, runs loaded from them.
+
+    --plain columns: from, relation (saved, loaded, promoted), to.
+    """
+    with _rest(base_url, api_key) as rest:
+        graph = rest.get_lineage(package).result()
+    labels = {node.id: node.label for node in graph.nodes}
+    title = f"lineage of {package}" + (" (partial: too many nodes)" if graph.truncated else "")
+    table = Table(title=title)
+    for column in ("from", "relation", "to"):
+        table.add_column(column, overflow="fold")
+    rows = [[labels[e.source], e.relation, labels[e.target]] for e in graph.edges]
+    _show(table, rows, rows, graph.model_dump(mode="json"), as_json=as_json, plain=plain)

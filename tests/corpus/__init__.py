@@ -66,7 +66,23 @@ class Ids:
         run_id, _, rest = self.checkpoint_path.removeprefix("tinker://").partition("/")
         return f"training_runs/{run_id}/checkpoints/{rest}/ttl"
 
+    @property
+    def package_route(self) -> str:
+        """`registry/packages/{name}` of the run's package (named after the run)."""
+        return f"registry/packages/{self.run_id}"
 
+
+# The registry's routes with a JSON body, as the OpenAPI document writes them.
+REGISTRY_TEMPLATES = frozenset(
+    "/api/v1/registry/packages" + suffix
+    for suffix in (
+        "",
+        "/{name}",
+        "/{name}/versions/{version}/ttl",
+        "/{name}/versions/{version}/promote",
+        "/{name}/aliases/{alias}",
+    )
+)
 TOKENS = list(range(10, 27))
 
 
@@ -79,6 +95,16 @@ def valid_bodies(ids: Ids, seq_ids: Iterator[int]) -> dict[str, dict[str, Any]]:
         "weights_info": {"tinker_path": ids.checkpoint_path},
         "registry/download_urls": {"path": ids.checkpoint_path},
         ids.checkpoint_ttl_route: {"ttl_seconds": 86_400},
+        "registry/packages": {
+            "name": "corpus-target",
+            "description": "a package",
+            "tags": ["corpus"],
+            "base_model": "treadle/tiny-1m",
+        },
+        ids.package_route: {"description": "the run's", "tags": ["a", "b"]},
+        f"{ids.package_route}/versions/1/ttl": {"ttl_seconds": 86_400},
+        f"{ids.package_route}/versions/1/promote": {"target_package": "corpus-target"},
+        f"{ids.package_route}/aliases/stable": {"version": 1},
         "create_session": {"tags": ["corpus"], "user_metadata": {"k": "v"}},
         "session_heartbeat": {"session_id": ids.session_id},
         "create_model": {
@@ -167,7 +193,11 @@ def _where(path: tuple[Any, ...]) -> str:
 
 
 def method_of(route: str) -> str:
-    return "PUT" if route.endswith("/ttl") else "POST"
+    if route.endswith("/ttl") or "/aliases/" in route:
+        return "PUT"
+    if route.startswith("registry/packages/") and route.count("/") == 2:
+        return "PATCH"  # a package's own route: its update
+    return "POST"
 
 
 def json_cases(route: str, body: dict[str, Any]) -> Iterator[Case]:

@@ -239,6 +239,20 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("RestClient.estimate_cost", "BadRequestError"): lambda w: w.rest.estimate_cost(
         "treadle/tiny-1m", {"training": -1}
     ).result(timeout=60),
+    ("RestClient.get_package", "NotFoundError"): lambda w: w.rest.get_package(
+        "no-such-package"
+    ).result(timeout=60),
+    # Neither a base model nor a run to take it from.
+    ("RestClient.create_package", "BadRequestError"): lambda w: w.rest.create_package(
+        "no-base-model"
+    ).result(timeout=60),
+    ("RestClient.set_alias", "BadRequestError"): lambda w: w.rest.set_alias(
+        w.trainer.model_id, "latest", 1
+    ).result(timeout=60),
+    ("RestClient.delete_version", "BadRequestError"): lambda w: (
+        w.rest.set_alias(w.trainer.model_id, "held", 1).result(timeout=60),
+        w.rest.delete_version(w.trainer.model_id, 1).result(timeout=60),
+    ),
 }
 
 

@@ -182,9 +182,11 @@ def test_poison_ops_batched_with_another_tenants_op_fail_alone(app: EmbeddedApp)
 
 def test_corpus_covers_every_route_that_takes_a_json_body(app: EmbeddedApp) -> None:
     ids = corpus.Ids("s", "s:train:0", "s:train:1", "tinker://s:train:0/weights/ck", "s:1", "r")
-    covered = {f"/api/v1/{route}" for route in corpus.valid_bodies(ids, itertools.count(1))} | {
-        "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"
-    }
+    covered = (
+        {f"/api/v1/{route}" for route in corpus.valid_bodies(ids, itertools.count(1))}
+        | {"/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"}
+        | corpus.REGISTRY_TEMPLATES
+    )
     document = app.client.get("/openapi.json").json()
     taking_json = {
         path

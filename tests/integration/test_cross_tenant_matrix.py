@@ -38,7 +38,15 @@ from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
 from core.signing import sign_download
-from core.tables import ModelVersion, Operation, SamplingSession, Session, TrainingRun
+from core.tables import (
+    ModelAlias,
+    ModelPackage,
+    ModelVersion,
+    Operation,
+    SamplingSession,
+    Session,
+    TrainingRun,
+)
 from tests.builders import tenant_factory
 from tests.server import build_app
 from tests.services import throwaway_database
@@ -71,6 +79,9 @@ class Kind(enum.Enum):
     CHECKPOINT = "checkpoint"  # a tinker:// path, or run_id + kind + name in a URL
     LINK = "download link"  # token + relpath in a URL
     ARCHIVE = "archive link"  # token + archive name in a URL
+    PACKAGE = "registry package"  # its name
+    VERSION = "package version"  # name + version number in a URL
+    ALIAS = "package alias"  # name + alias in a URL
 
 
 class Marker(enum.Enum):
@@ -128,6 +139,7 @@ SESSION, RUN, SAMPLER, REQUEST, CHECKPOINT, LINK = (
     Kind.CHECKPOINT,
     Kind.LINK,
 )
+PACKAGE, VERSION, ALIAS = Kind.PACKAGE, Kind.VERSION, Kind.ALIAS
 IN_URL: Ref = ("run_id", "kind", "name")
 HUB_KEYLESS = "Hugging Face clients fetch base models' tokenizers without a key"
 NEW_NAME = {"path": "the name of the checkpoint to create, under the caller's own run"}
@@ -147,6 +159,10 @@ def _on_run(**body: Any) -> Route:
 
 
 API = "/api/v1"
+REGISTRY = f"{API}/registry/packages"
+PACKAGE_REF: Ref = ("name",)
+VERSION_REF: Ref = ("name", "version")
+ALIAS_REF: Ref = ("name", "alias")
 ROUTES: dict[tuple[str, str], Route] = {
     ("POST", f"{API}/client/config"): Route(
         no_reference="client settings, the same for all",
@@ -309,6 +325,33 @@ ROUTES: dict[tuple[str, str], Route] = {
         (Call({("token", "filename"): Kind.ARCHIVE}, public_ref=("token", "filename")),),
         keyless="a link the server signed is the permission, as for any download",
     ),
+    ("GET", REGISTRY): Route(
+        no_reference="the caller's packages (a tag filters them)", lists_own=Owner.SESSION
+    ),
+    ("POST", REGISTRY): Route(
+        (Call({("training_run_id",): RUN}, body={"name": "new-package"}),),
+        not_references={"name": "the name of the package to create, among the caller's own"},
+    ),
+    ("GET", f"{REGISTRY}/{{name}}"): Route((Call({PACKAGE_REF: PACKAGE}),)),
+    ("PATCH", f"{REGISTRY}/{{name}}"): Route(
+        (Call({PACKAGE_REF: PACKAGE}, body={"description": "changed"}),)
+    ),
+    ("DELETE", f"{REGISTRY}/{{name}}"): Route((Call({PACKAGE_REF: PACKAGE}),)),
+    ("GET", f"{REGISTRY}/{{name}}/versions"): Route((Call({PACKAGE_REF: PACKAGE}),)),
+    ("GET", f"{REGISTRY}/{{name}}/versions/{{version}}"): Route((Call({VERSION_REF: VERSION}),)),
+    ("DELETE", f"{REGISTRY}/{{name}}/versions/{{version}}"): Route((Call({VERSION_REF: VERSION}),)),
+    ("PUT", f"{REGISTRY}/{{name}}/versions/{{version}}/ttl"): Route(
+        (Call({VERSION_REF: VERSION}, body={"ttl_seconds": 7200}),)
+    ),
+    ("POST", f"{REGISTRY}/{{name}}/versions/{{version}}/promote"): Route(
+        (Call({VERSION_REF: VERSION, ("target_package",): PACKAGE}),)
+    ),
+    ("GET", f"{REGISTRY}/{{name}}/aliases"): Route((Call({PACKAGE_REF: PACKAGE}),)),
+    ("PUT", f"{REGISTRY}/{{name}}/aliases/{{alias}}"): Route(
+        (Call({ALIAS_REF: ALIAS}, body={"version": 1}),)
+    ),
+    ("DELETE", f"{REGISTRY}/{{name}}/aliases/{{alias}}"): Route((Call({ALIAS_REF: ALIAS}),)),
+    ("GET", f"{REGISTRY}/{{name}}/lineage"): Route((Call({PACKAGE_REF: PACKAGE}),)),
 }
 
 # Counters the client keeps; they position a request, they do not name an object.
@@ -485,6 +528,19 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
         body = {"model_id": run_id, "seq_id": seq, "path": name}
         return str(world.op(headers, route, body)["path"])
 
+    def registry_objects(headers: dict[str, str], run_id: str, prefix: str) -> None:
+        """An alias `<prefix>-stable` on version 1 of the run's package, and a package
+        `<prefix>-prod` holding that version promoted."""
+        calls = [
+            ("PUT", f"{run_id}/aliases/{prefix}-stable", {"version": 1}),
+            ("POST", "", {"name": f"{prefix}-prod", "base_model": MODEL}),
+            ("POST", f"{run_id}/versions/1/promote", {"target_package": f"{prefix}-prod"}),
+        ]
+        for method, path, body in calls:
+            url = f"{REGISTRY}/{path}" if path else REGISTRY
+            response = client.request(method, url, json=body, headers=headers)
+            assert response.status_code == 200, response.text
+
     def publish(path: str) -> None:
         run_id, checkpoint_id = path.removeprefix("tinker://").split("/", 1)
         url = f"{API}/training_runs/{run_id}/checkpoints/{checkpoint_id}/publish"
@@ -507,6 +563,7 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
     ]
     for path in public:
         publish(path)
+    registry_objects(a_headers, run1, "a")
     sampler = world.post(
         a_headers,
         "create_sampling_session",
@@ -523,7 +580,8 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
     fake_version = "mv_" + secrets.token_hex(8)
     expires = datetime.now(UTC) + timedelta(hours=1)
     forged_secret = b"not-the-server-secret-0123456789"
-    world.substitutions = [(a_session, fake_session), (request, fake_request)]
+    # A's own package is named in answers about its versions too.
+    world.substitutions = [(a_session, fake_session), (request, fake_request), ("a-prod", "z-prod")]
 
     def like(value: str, label: str | None = None, public: bool = False) -> Obj:
         """A's object, and the same id under a session that never existed."""
@@ -538,6 +596,15 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
         SAMPLER: [like(sampler, label="A's sampling session")],
         REQUEST: [Obj("A's future", request, fake_request)],
         CHECKPOINT: [like(p) for p in private] + [like(p, public=True) for p in public],
+        PACKAGE: [
+            like(run1, label="A's run's package"),
+            Obj("A's own package", "a-prod", "z-prod"),
+        ],
+        VERSION: [
+            like(f"{run1}/1", label="a version of A's run's package"),
+            Obj("A's promoted version", "a-prod/1", "z-prod/1"),
+        ],
+        ALIAS: [like(f"{run1}/a-stable", label="A's alias")],
         LINK: [
             Obj(
                 "a link to A's export, signed without the server's secret",
@@ -580,7 +647,11 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
         "create_sampling_session",
         {"session_id": b_session, "sampling_session_seq_id": 0, "base_model": MODEL},
     )["sampling_session_id"]
+    registry_objects(b_headers, b_run, "b")
     world.mine = {
+        PACKAGE: "b-prod",
+        VERSION: "b-prod/1",
+        ALIAS: f"{b_run}/b-stable",
         SESSION: b_session,
         RUN: b_run,
         SAMPLER: b_sampler,
@@ -622,7 +693,8 @@ def _split(kind: Kind, ref: Ref, value: str) -> dict[str, str]:
         return {ref[0]: value}
     if kind is CHECKPOINT:  # tinker://<run id>/<kind>/<name> in the URL's three parameters
         return dict(zip(ref, value.removeprefix("tinker://").split("/"), strict=True))
-    return dict(zip(ref, value.split("/", 1), strict=True))  # a link: <token>/<relpath>
+    # A link (<token>/<relpath>), a version (<package>/<number>) or an alias (<package>/<alias>).
+    return dict(zip(ref, value.split("/", 1), strict=True))
 
 
 Answer = tuple[int, Any]
@@ -728,6 +800,26 @@ def _state_of_a(world: World) -> dict[str, list[tuple[Any, ...]]]:
                     )
                     .where(ModelVersion.tenant_id == tenant)
                     .order_by(ModelVersion.id)
+                ).all()
+            ),
+            "packages": list(
+                db.execute(
+                    select(
+                        ModelPackage.id,
+                        ModelPackage.name,
+                        ModelPackage.description,
+                        ModelPackage.training_run_id,
+                        ModelPackage.deleted_at,
+                    )
+                    .where(ModelPackage.tenant_id == tenant)
+                    .order_by(ModelPackage.id)
+                ).all()
+            ),
+            "aliases": list(
+                db.execute(
+                    select(ModelAlias.id, ModelAlias.name, ModelAlias.version_id)
+                    .where(ModelAlias.tenant_id == tenant)
+                    .order_by(ModelAlias.id)
                 ).all()
             ),
             "operations": list(

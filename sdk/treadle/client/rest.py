@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 
@@ -27,14 +27,25 @@ from treadle.types import (
     CheckpointsListResponse,
     CostEstimateRequest,
     CostEstimateResponse,
+    CreatePackageRequest,
     DownloadUrlsResponse,
     ExternalWeightsUrlsResponse,
     FinishSessionResponse,
+    LineageResponse,
     ListSessionsResponse,
+    PromoteVersionRequest,
+    RegistryAlias,
+    RegistryAliasesResponse,
+    RegistryPackage,
+    RegistryPackagesResponse,
+    RegistryVersion,
+    RegistryVersionsResponse,
     ServerCapabilities,
     SessionInfo,
+    SetAliasRequest,
     TrainingRun,
     TrainingRunsResponse,
+    UpdatePackageRequest,
     UsageReport,
     WeightsInfoResponse,
 )
@@ -514,7 +525,219 @@ class RestClient:
         """`get_weights_info(tinker_path)` under tinker's name."""
         return self.get_weights_info(tinker_path)
 
+    # -- model registry ---------------------------------------------------------------------
+
+    async def _registry(
+        self,
+        method: str,
+        path: str,
+        model: type[T] | None = None,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> T | None:
+        async def send() -> T | None:
+            response = await self._conn.http.request(
+                method, f"/api/v1/registry/packages{path}", json=json, params=params
+            )
+            return model.model_validate(response.json()) if model else None  # type: ignore[attr-defined]
+
+        return await self._conn.call(send())
+
+    def list_packages(
+        self, tag: str | None = None, limit: int = 100, offset: int = 0
+    ) -> APIFuture[RegistryPackagesResponse]:
+        """The caller's registry packages by name; with `tag`, only those carrying it."""
+        return self._future(self.list_packages_async(tag, limit, offset))
+
+    async def list_packages_async(
+        self, tag: str | None = None, limit: int = 100, offset: int = 0
+    ) -> RegistryPackagesResponse:
+        params = {"limit": limit, "offset": offset} | ({"tag": tag} if tag is not None else {})
+        return _got(await self._registry("GET", "", RegistryPackagesResponse, params=params))
+
+    def get_package(self, name: str) -> APIFuture[RegistryPackage]:
+        """One package.
+
+        Raises:
+            NotFoundError: through the future, for a name the caller has no package of.
+        """
+        return self._future(self.get_package_async(name))
+
+    async def get_package_async(self, name: str) -> RegistryPackage:
+        return _got(await self._registry("GET", _package(name), RegistryPackage))
+
+    def create_package(
+        self,
+        name: str,
+        base_model: str | None = None,
+        *,
+        description: str | None = None,
+        tags: list[str] | None = None,
+        training_run_id: str | None = None,
+    ) -> APIFuture[RegistryPackage]:
+        """A new empty package, to promote versions into.
+
+        Args:
+            name: 1-200 letters, digits, `.`, `_`, `-` or `:`, unique among your packages.
+            base_model: the base model of every version it will hold; may be left out with
+                `training_run_id`.
+            training_run_id: make it the package that run's future saves register in (the
+                run must not have one yet).
+
+        Raises:
+            BadRequestError: through the future, for a taken or invalid name, or a run that
+                already has a package.
+        """
+        request = CreatePackageRequest(
+            name=name,
+            base_model=base_model,
+            description=description,
+            tags=tags or [],
+            training_run_id=training_run_id,
+        )
+        return self._future(self.create_package_async(request))
+
+    async def create_package_async(self, request: CreatePackageRequest) -> RegistryPackage:
+        body = request.model_dump(mode="json", exclude_none=True)
+        return _got(await self._registry("POST", "", RegistryPackage, json=body))
+
+    def update_package(
+        self,
+        name: str,
+        *,
+        new_name: str | None = None,
+        description: str | None = None,
+        tags: list[str] | None = None,
+    ) -> APIFuture[RegistryPackage]:
+        """Rename, describe or tag a package; what is None stays as it is."""
+        request = UpdatePackageRequest(name=new_name, description=description, tags=tags)
+        return self._future(self.update_package_async(name, request))
+
+    async def update_package_async(
+        self, name: str, request: UpdatePackageRequest
+    ) -> RegistryPackage:
+        body = request.model_dump(mode="json", exclude_none=True)
+        return _got(await self._registry("PATCH", _package(name), RegistryPackage, json=body))
+
+    def delete_package(self, name: str) -> APIFuture[None]:
+        """Delete a package and its versions (its name is free again); refused while it has
+        aliases."""
+        return self._future(self.delete_package_async(name))
+
+    async def delete_package_async(self, name: str) -> None:
+        await self._registry("DELETE", _package(name))
+
+    def list_versions(
+        self, package: str, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> APIFuture[RegistryVersionsResponse]:
+        """A package's versions, newest first; `status` (`ready`, `deleted`, ...) filters."""
+        return self._future(self.list_versions_async(package, status, limit, offset))
+
+    async def list_versions_async(
+        self, package: str, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> RegistryVersionsResponse:
+        params = {"limit": limit, "offset": offset} | ({"status": status} if status else {})
+        path = _package(package) + "/versions"
+        return _got(await self._registry("GET", path, RegistryVersionsResponse, params=params))
+
+    def get_version(self, package: str, version: int) -> APIFuture[RegistryVersion]:
+        """One version: its lineage, files, aliases and where it came from."""
+        return self._future(self.get_version_async(package, version))
+
+    async def get_version_async(self, package: str, version: int) -> RegistryVersion:
+        return _got(await self._registry("GET", _version(package, version), RegistryVersion))
+
+    def delete_version(self, package: str, version: int) -> APIFuture[None]:
+        """Delete a version (its tinker path is free again).
+
+        Raises:
+            BadRequestError: through the future, while an alias points at the version.
+        """
+        return self._future(self.delete_version_async(package, version))
+
+    async def delete_version_async(self, package: str, version: int) -> None:
+        await self._registry("DELETE", _version(package, version))
+
+    def set_version_ttl(
+        self, package: str, version: int, ttl_seconds: int | None
+    ) -> APIFuture[RegistryVersion]:
+        """Expire a version `ttl_seconds` from now (1 h to 10 years); None keeps it."""
+        return self._future(self.set_version_ttl_async(package, version, ttl_seconds))
+
+    async def set_version_ttl_async(
+        self, package: str, version: int, ttl_seconds: int | None
+    ) -> RegistryVersion:
+        path, body = _version(package, version) + "/ttl", {"ttl_seconds": ttl_seconds}
+        return _got(await self._registry("PUT", path, RegistryVersion, json=body))
+
+    def promote_version(
+        self, package: str, version: int, target_package: str
+    ) -> APIFuture[RegistryVersion]:
+        """Add a ready version to another package of the same base model, sharing its files;
+        returns the new version."""
+        return self._future(self.promote_version_async(package, version, target_package))
+
+    async def promote_version_async(
+        self, package: str, version: int, target_package: str
+    ) -> RegistryVersion:
+        body = PromoteVersionRequest(target_package=target_package).model_dump(mode="json")
+        path = _version(package, version) + "/promote"
+        return _got(await self._registry("POST", path, RegistryVersion, json=body))
+
+    def list_aliases(self, package: str) -> APIFuture[RegistryAliasesResponse]:
+        """A package's aliases, `latest` (the newest ready version) first."""
+        return self._future(self.list_aliases_async(package))
+
+    async def list_aliases_async(self, package: str) -> RegistryAliasesResponse:
+        path = _package(package) + "/aliases"
+        return _got(await self._registry("GET", path, RegistryAliasesResponse))
+
+    def set_alias(self, package: str, alias: str, version: int) -> APIFuture[RegistryAlias]:
+        """Point `alias` at a ready version of the package, creating or moving it.
+
+        Raises:
+            BadRequestError: through the future, for `latest` (kept by the registry), an
+                invalid name, or a version that is not ready.
+        """
+        return self._future(self.set_alias_async(package, alias, version))
+
+    async def set_alias_async(self, package: str, alias: str, version: int) -> RegistryAlias:
+        body = SetAliasRequest(version=version).model_dump(mode="json")
+        return _got(await self._registry("PUT", _alias(package, alias), RegistryAlias, json=body))
+
+    def delete_alias(self, package: str, alias: str) -> APIFuture[None]:
+        """Remove an alias (the version it pointed at stays)."""
+        return self._future(self.delete_alias_async(package, alias))
+
+    async def delete_alias_async(self, package: str, alias: str) -> None:
+        await self._registry("DELETE", _alias(package, alias))
+
+    def get_lineage(self, package: str) -> APIFuture[LineageResponse]:
+        """The runs and versions a package's versions came from and went into."""
+        return self._future(self.get_lineage_async(package))
+
+    async def get_lineage_async(self, package: str) -> LineageResponse:
+        return _got(await self._registry("GET", _package(package) + "/lineage", LineageResponse))
+
 
 def _checkpoint_url(tinker_path: str) -> str:
     parsed = CheckpointPath.parse(tinker_path)
     return f"/api/v1/training_runs/{parsed.training_run_id}/checkpoints/{parsed.checkpoint_id}"
+
+
+def _got(value: T | None) -> T:
+    assert value is not None
+    return value
+
+
+def _package(name: str) -> str:
+    return "/" + quote(name, safe=":")
+
+
+def _version(package: str, version: int) -> str:
+    return f"{_package(package)}/versions/{int(version)}"
+
+
+def _alias(package: str, alias: str) -> str:
+    return f"{_package(package)}/aliases/{quote(alias, safe='')}"
