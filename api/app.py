@@ -41,7 +41,7 @@ from core import sessions as session_service
 from core.clock import Clock, SystemClock
 from core.objectstore import open_store
 from core.settings import Mode, Settings
-from scheduler import retention
+from scheduler import artifact_gc, retention
 from scheduler.dispatch import CeleryDispatcher, Dispatcher
 from scheduler.notify import InProcessNotifier, Notifier, RedisNotifier
 from scheduler.worker.embedded import embedded_dispatcher
@@ -88,6 +88,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         if settings.mode is Mode.EMBEDDED:  # distributed mode: `treadle-server beat` runs them
             periodic.append(asyncio.create_task(_run_billing_jobs(state)))
             periodic.append(asyncio.create_task(_prune_op_log(state)))
+            periodic.append(asyncio.create_task(_collect_artifacts(state)))
         try:
             yield
         finally:
@@ -162,6 +163,15 @@ async def _run_billing_jobs(state: AppState) -> None:
         except Exception:
             logger.exception("billing jobs failed")
         await asyncio.sleep(billing_jobs.tick_seconds(state.settings))
+
+
+async def _collect_artifacts(state: AppState) -> None:
+    """Remove artifacts nothing needs any more (`scheduler.artifact_gc`)."""
+    while True:
+        await asyncio.to_thread(
+            artifact_gc.run_periodic, state.database, state.settings, state.clock, state.store
+        )
+        await asyncio.sleep(artifact_gc.EVERY_SECONDS)
 
 
 async def _prune_op_log(state: AppState) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session as OrmSession
 from core.clock import Clock
 from core.errors import InvalidInput, NotFound
 from core.ids import sampling_session_id, training_run_id
-from core.tables import RunStatus, SamplingSession, TrainingRun
+from core.tables import RunStatus, SamplingSession, Session, SessionStatus, TrainingRun
 
 # The adapter a create_model without a LoRA config gets; a config without a rank gets this rank.
 DEFAULT_LORA_RANK = 32
@@ -126,6 +126,29 @@ def loaded_from(run: TrainingRun, version_id: str | None) -> None:
 def record_snapshot(run: TrainingRun, seq_id: int, uri: str) -> None:
     """The run's full state after op `seq_id` is saved at `uri`: replay starts there."""
     run.snapshot_seq_id, run.snapshot_uri = seq_id, uri
+
+
+def ended_with_snapshots(db: OrmSession, limit: int) -> list[TrainingRun]:
+    """Runs that never execute again (unloaded or failed, their session ended) still naming a
+    snapshot: recovery will never read it."""
+    return list(
+        db.scalars(
+            select(TrainingRun)
+            .join(Session, Session.id == TrainingRun.session_id)
+            .where(
+                TrainingRun.snapshot_uri.is_not(None),
+                TrainingRun.status.in_((RunStatus.UNLOADED, RunStatus.FAILED)),
+                Session.status != SessionStatus.ACTIVE,
+            )
+            .limit(limit)
+        )
+    )
+
+
+def forget_snapshot(run: TrainingRun, uri: str) -> None:
+    """The snapshot at `uri` was removed; replay can no longer start from it."""
+    if run.snapshot_uri == uri:
+        run.snapshot_uri = None
 
 
 def assign_worker(run: TrainingRun | SamplingSession, worker_id: str | None) -> None:

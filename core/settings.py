@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     # Finished ops' request payloads are emptied this long after they finished, once replay can
     # no longer need them (`scheduler.retention`); results are kept.
     oplog_retention_seconds: float = 7 * 86400.0
+    # A save's version is pending while its artifact uploads; one pending this long lost its
+    # uploader and is marked failed, its objects removed (`scheduler.artifact_gc`).
+    artifact_pending_grace_seconds: float = Field(default=3600.0, gt=0)
 
     # Stripe Billing meters (`billing.stripe_push`): pushing is off while no key is set.
     stripe_api_key: SecretStr | None = None

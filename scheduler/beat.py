@@ -3,7 +3,8 @@
 Each job is a plain function of the database, safe to run twice or concurrently: expire silent
 sessions, declare workers with lapsed leases dead and move their work, and (re)place and wake
 whatever is queued, which also covers lost wake-up messages; billing's periodic jobs
-(`billing.jobs`, each at its own interval); and op-log retention (`retention`).
+(`billing.jobs`, each at its own interval); op-log retention (`retention`); and artifact
+collection (`artifact_gc`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from core.clock import Clock
 from core.db import Database
 from core.settings import Settings
 from core.tables import Operation, OpStatus
-from scheduler import oplog, retention, workers
+from scheduler import artifact_gc, oplog, retention, workers
 from scheduler.placement import place
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def tick(database: Database, settings: Settings, clock: Clock) -> None:
             wake_worker(celery, worker_id)
     billing_jobs.run_periodic(database, settings, clock)
     retention.run_periodic(database, settings, clock)
+    artifact_gc.run_periodic(database, settings, clock)
 
 
 def run_beat(settings: Settings, clock: Clock, *, interval_seconds: float = 2.0) -> None:

@@ -8,6 +8,7 @@ credentials), for this process (`apply`) or for child processes (`env`).
 
 from __future__ import annotations
 
+import logging
 import socket
 import uuid
 from collections.abc import Iterator
@@ -66,6 +67,8 @@ def _free_port() -> int:
 
 @contextmanager
 def s3_server() -> Iterator[S3Server]:
+    # moto's server logs every request; the tests' output keeps to failures.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
