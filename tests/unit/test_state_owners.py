@@ -47,9 +47,21 @@ WRITERS = {
     "payload_pruned_at": {"scheduler/oplog.py"},
     # A run's trained tokens (core.runs), and a version's record of them at its save.
     "tokens_trained": {"core/runs.py", "core/checkpoints.py"},
+    # A package's deletion and the version an alias names belong to core.registry.
+    "deleted_at": {"core/registry.py"},
+    "version_id": {"core/registry.py"},
 }
 
-TABLES = {"Operation", "TrainingRun", "SamplingSession", "Session", "ModelVersion", "Worker"}
+TABLES = {
+    "Operation",
+    "TrainingRun",
+    "SamplingSession",
+    "Session",
+    "ModelVersion",
+    "ModelPackage",
+    "ModelAlias",
+    "Worker",
+}
 
 
 def _is_status(node: ast.AST) -> bool:
@@ -143,6 +155,8 @@ def test_statuses_are_spelled_by_their_enums_and_written_by_their_owners() -> No
         ("run.tokens_trained += 10", "writes .tokens_trained outside its owner"),
         ("run.loaded_from_version_id = v.id", "writes .loaded_from_version_id outside"),
         ("op.status, op.finished_at = OpStatus.FAILED, now", "writes .status outside"),
+        ("package.deleted_at = now", "writes .deleted_at outside its owner"),
+        ("ModelAlias(name='prod', version_id=v.id)", "writes version_id= outside its owner"),
     ],
 )
 def test_the_check_catches_each_kind_of_breach(snippet: str, problem: str) -> None:
@@ -152,3 +166,4 @@ def test_the_check_catches_each_kind_of_breach(snippet: str, problem: str) -> No
 def test_owners_may_write_their_own_state() -> None:
     assert violations("run.executed_seq_id = 3", "core/runs.py") == []
     assert violations("op.status = OpStatus.RUNNING", "scheduler/oplog.py") == []
+    assert violations("alias.version_id = version.id", "core/registry.py") == []
