@@ -9,7 +9,6 @@ answer single HTTP Range requests (206, 416 beyond the end), so a client can res
 
 from __future__ import annotations
 
-import re
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -18,13 +17,13 @@ from fastapi import APIRouter, Header, Request
 from fastapi import Path as PathParameter
 from fastapi.responses import Response, StreamingResponse
 
+from api import ranges
 from api.deps import CurrentPrincipal, ReadSession, State
-from api.errors import error_response
-from api.openapi import ErrorResponse, error_responses
+from api.openapi import error_responses
 from core import checkpoints, signing
 from core.archives import Archive
 from core.clock import Clock
-from core.errors import ErrorCode, NotFound
+from core.errors import NotFound
 from core.objectstore import StoredFile
 from core.tables import ModelVersion
 from treadle.types import DownloadFile, DownloadUrlsRequest, DownloadUrlsResponse
@@ -33,28 +32,13 @@ router = APIRouter(prefix="/api/v1", tags=["downloads"])
 
 # Long enough to fetch a large export, short enough that a leaked link soon stops working.
 DOWNLOAD_URL_SECONDS = 3600
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 ARCHIVE_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The version's files as one uncompressed tar archive.",
         "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
     },
-    206: {
-        "description": "The requested byte range of the archive (`Content-Range` says which).",
-        "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
-    },
-    416: {
-        "model": ErrorResponse,
-        "description": "The range starts beyond the archive's end; request one within its "
-        "length, which `Content-Range` gives.",
-        "headers": {
-            "Content-Range": {
-                "description": "`bytes */N`: the archive has N bytes.",
-                "schema": {"type": "string"},
-            }
-        },
-    },
+    **ranges.documented("the archive", "application/x-tar"),
 }
 
 
@@ -129,41 +113,19 @@ def archive(
         "Accept-Ranges": "bytes",
         "Content-Disposition": f'attachment; filename="{filename}"',
     }
-    span = _range(range_header, whole.size)
+    span = ranges.single(range_header, whole.size)
     if span is None:
         headers["Content-Length"] = str(whole.size)
         return StreamingResponse(whole.stream(), media_type="application/x-tar", headers=headers)
     start, end = span
     if start >= whole.size:
-        refused = error_response(
-            416,
-            ErrorCode.INVALID_INPUT,
-            f"range {range_header!r} starts beyond the archive's {whole.size} bytes; request a "
-            f"range that starts below {whole.size}",
-        )
-        refused.headers["Content-Range"] = f"bytes */{whole.size}"
-        return refused
+        assert range_header is not None
+        return ranges.not_satisfiable(range_header, whole.size)
     headers["Content-Length"] = str(end - start)
     headers["Content-Range"] = f"bytes {start}-{end - 1}/{whole.size}"
     return StreamingResponse(
         whole.stream(start, end), status_code=206, media_type="application/x-tar", headers=headers
     )
-
-
-def _range(header: str | None, size: int) -> tuple[int, int] | None:
-    """`(start, end exclusive)` of a single `bytes=` range; None serves the whole archive (no
-    header, or one this route does not read, such as several ranges: RFC 9110 allows that)."""
-    match = _RANGE.fullmatch(header.strip()) if header else None
-    if match is None or match.group(1) == match.group(2) == "":
-        return None
-    first, last = match.group(1), match.group(2)
-    if first == "":  # the last N bytes
-        return max(size - int(last), 0), size
-    start = int(first)
-    end = size if last == "" else min(int(last) + 1, size)
-    if last != "" and int(last) < start:
-        return None
-    return start, end
 
 
 def _files(state: State, version: ModelVersion, what: str) -> list[StoredFile]:

@@ -87,6 +87,7 @@ def test_files_and_archives_answer_byte_ranges(env: Env) -> None:
     beyond = env.client.get(url, headers={"Range": f"bytes={len(data)}-"})
     assert beyond.status_code == 416
     assert beyond.headers["content-range"] == f"bytes */{len(data)}"
+    assert f"below {len(data)}" in beyond.json()["detail"]
 
     archive_url = _local(body["archive_url"])
     whole = env.client.get(archive_url).content
