@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import String, cast, func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from core import audit, checkpoints, references, runs
@@ -75,6 +76,7 @@ def list_packages(
     """The tenant's live packages by name; with `tag`, only those carrying it."""
     conditions = [ModelPackage.tenant_id == tenant_id, ModelPackage.deleted_at.is_(None)]
     if tag is not None:
+        check_tags([tag])
         # Tags hold no quotes or backslashes (`check_tags`), so the quoted tag matches exactly
         # one element of the stored JSON list on both databases.
         conditions.append(cast(ModelPackage.tags, String).contains(f'"{tag}"', autoescape=True))
@@ -145,8 +147,19 @@ def create_package(
         updated_at=now,
     )
     db.add(package)
-    db.flush()
+    _flush_name(db, name)
     return package
+
+
+def _flush_name(db: OrmSession, name: str) -> None:
+    """Flush a new or renamed package; a concurrent request that took the name first fails the
+    partial unique index, which is the same refusal as a name found taken."""
+    try:
+        db.flush()
+    except IntegrityError as exc:
+        raise InvalidInput(
+            f"package name {name!r} is taken; pick another name, or rename or delete that package"
+        ) from exc
 
 
 def update_package(
@@ -172,7 +185,7 @@ def update_package(
     if checked_tags is not None:
         package.tags = checked_tags
     package.updated_at = clock.now()
-    db.flush()
+    _flush_name(db, package.name)
     return package
 
 
@@ -276,6 +289,17 @@ def get_version(
     return version
 
 
+def _require_usable(version: ModelVersion, clock: Clock, what: str, verb: str) -> None:
+    """Refuse a version that is not ready, has no files or has expired."""
+    state = version.status if version.status != VersionStatus.READY else None
+    if state is None and version.artifact_uri is None:
+        state = "without files"
+    if state is None and version.expires_at is not None and version.expires_at <= clock.now():
+        state = "expired"
+    if state is not None:
+        raise InvalidInput(f"{what} is {state}; {verb} a ready, unexpired version")
+
+
 def aliases_of(db: OrmSession, version: ModelVersion) -> list[str]:
     """The aliases pointing at `version`, `latest` included when it is the newest ready one."""
     return aliases_by_version(db, version.package_id).get(version.id, [])
@@ -317,10 +341,7 @@ def promote(
     """A new version of package `target` sharing version `number`'s artifact (nothing is
     copied), numbered next in `target` under its row lock."""
     source = get_version(db, tenant_id, name, number)
-    if source.status != VersionStatus.READY or source.artifact_uri is None:
-        raise InvalidInput(
-            f"version {number} of {name!r} is {source.status}, not ready; promote a ready version"
-        )
+    _require_usable(source, clock, f"version {number} of {name!r}", "promote")
     source_package = get_package(db, tenant_id, name)
     if target == name:
         raise InvalidInput(f"version {number} is already in {name!r}; name another package")
@@ -384,10 +405,7 @@ def set_alias(
     """Point `alias` at version `number` of the package (a ready one), creating or moving it."""
     _check_settable(alias)
     version = get_version(db, tenant_id, name, number, lock=True)
-    if version.status != VersionStatus.READY:
-        raise InvalidInput(
-            f"version {number} of {name!r} is {version.status}; point aliases at ready versions"
-        )
+    _require_usable(version, clock, f"version {number} of {name!r}", "point aliases at")
     row = db.scalar(
         select(ModelAlias).where(
             ModelAlias.package_id == version.package_id, ModelAlias.name == alias

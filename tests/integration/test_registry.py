@@ -93,7 +93,7 @@ def test_packages_create_rename_tag_list_and_delete(migrated: Database, clock: F
             base_model=MODEL, training_run_id=None,
         )  # fmt: skip
         registry.create_package(
-            db, clock, tenant, name="scratch_1", description=None, tags=["x"],
+            db, clock, tenant, name="scratch_1", description=None, tags=["xy"],
             base_model=MODEL, training_run_id=None,
         )  # fmt: skip
     with pytest.raises(InvalidInput, match="is taken"), migrated.transaction() as db:
@@ -113,7 +113,9 @@ def test_packages_create_rename_tag_list_and_delete(migrated: Database, clock: F
         tagged, _ = registry.list_packages(db, tenant, tag="a", limit=10, offset=0)
         assert [p.name for p in tagged] == ["prod"]
         # `_` is no wildcard, and another tenant sees none of them.
-        assert registry.list_packages(db, tenant, tag="_", limit=10, offset=0)[1] == 0
+        assert registry.list_packages(db, tenant, tag="x_", limit=10, offset=0)[1] == 0
+        with pytest.raises(InvalidInput, match="tag"):
+            registry.list_packages(db, tenant, tag='a", "b', limit=10, offset=0)
         assert registry.list_packages(db, other, tag=None, limit=10, offset=0)[1] == 0
         with pytest.raises(NotFound):
             registry.get_package(db, other, "prod")
@@ -259,6 +261,9 @@ def test_version_ttl_reuses_the_checkpoint_bounds(migrated: Database, clock: Fak
     with migrated.transaction() as db:
         version = registry.set_version_ttl(db, clock, tenant, package, 1, 7200)
         assert version.expires_at == clock.now() + timedelta(seconds=7200)
+    clock.advance(7200)
+    with pytest.raises(InvalidInput, match="is expired"), migrated.transaction() as db:
+        registry.set_alias(db, clock, tenant, package, "stable", 1, actor="k1")
 
 
 def test_lineage_follows_saves_loads_and_promotions(migrated: Database, clock: FakeClock) -> None:
