@@ -1,6 +1,6 @@
 """Downloads of a version by tinker path or registry reference: per-file signed URLs, the tar
 archive of the whole version, HTTP Range on both, and what another tenant or an expired version
-gets. Versions are seeded through the core services (see tests/integration/test_rest_api.py);
+gets. Versions are seeded through the core services (tests/integration/rest_env.py);
 tests/e2e/test_treadle_sdk.py downloads real exports with the SDK and the CLI."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import hashlib
 import io
 import tarfile
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,17 @@ from fastapi.testclient import TestClient
 
 from core.clock import FakeClock
 from tests.builders import tenant_factory
-from tests.integration.test_rest_api import FILES, Env, _h, env
+from tests.integration.rest_env import FILES, Env, open_env
+from tests.integration.rest_env import headers as _h
 from tests.server import build_app
 
 pytestmark = pytest.mark.integration
 
-__all__ = ["env"]  # the fixture, shared with the REST tests
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    yield from open_env(request, tmp_path_factory)
+
 
 URLS = "/api/v1/registry/download_urls"
 
