@@ -68,7 +68,7 @@ def verify_download(
     """
     invalid = InvalidDownloadToken(
         "this download link is invalid (altered, or for another file); request new URLs with "
-        "RestClient.get_external_weights_urls()"
+        "RestClient.get_download_urls() or get_external_weights_urls()"
     )
     try:
         payload, signature = token.split(".")
@@ -84,6 +84,6 @@ def verify_download(
         when = datetime.fromtimestamp(expires, UTC).isoformat()
         raise DownloadTokenExpired(
             f"this download link expired at {when}; request new URLs with "
-            "RestClient.get_external_weights_urls()"
+            "RestClient.get_download_urls() or get_external_weights_urls()"
         )
     return version_id

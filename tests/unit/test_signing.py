@@ -71,3 +71,13 @@ def test_tampered_token_is_refused(where: str) -> None:
 def test_malformed_token_is_refused(token: str) -> None:
     with pytest.raises(InvalidDownloadToken):
         verify_download(SECRET, token, "f", NOW)
+
+
+def test_a_file_token_and_an_archive_token_never_pass_for_each_other() -> None:
+    archive = sign_download(SECRET, "mv_abc", "step-5.tar", LATER, archive=True)
+    assert verify_download(SECRET, archive, "step-5.tar", NOW, archive=True) == "mv_abc"
+    with pytest.raises(InvalidDownloadToken):
+        verify_download(SECRET, archive, "step-5.tar", NOW)
+    single = sign_download(SECRET, "mv_abc", "step-5.tar", LATER)
+    with pytest.raises(InvalidDownloadToken):
+        verify_download(SECRET, single, "step-5.tar", NOW, archive=True)
