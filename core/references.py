@@ -35,7 +35,7 @@ class Reference:
 
 def is_reference(path: str) -> bool:
     """Whether `path` is meant as a registry reference rather than a tinker path."""
-    return not path.startswith("tinker://") and ("@" in path or ":" in path)
+    return "://" not in path and ("@" in path or ":" in path)
 
 
 def check_package_name(name: str) -> str:

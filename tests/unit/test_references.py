@@ -67,6 +67,7 @@ def test_invalid_references_say_what_a_valid_one_is(text: str, message: str) -> 
         ("sess_ab12:train:0", True),  # meant as one, refused by parse with its message
         ("reward-model", False),
         ("weights/step-3", False),
+        ("s3://bucket/x", False),  # another scheme: refused as a path, not parsed as a reference
     ],
 )
 def test_is_reference_tells_references_from_tinker_paths(path: str, is_reference: bool) -> None:
