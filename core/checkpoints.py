@@ -2,8 +2,11 @@
 
 Each training run has a model package (named after the run); every save adds a version to it,
 with numbers allocated under the package's row lock. A checkpoint's public name is its tinker
-path, `tinker://<run>/<weights|sampler_weights|external_weights>/<name>`. Deleting marks the
-version deleted and frees its path; the caller removes the artifact.
+path, `tinker://<run>/<weights|sampler_weights|external_weights>/<name>`. A save's version is
+`pending` while its artifact uploads (`begin_upload`) and gets its path when it becomes `ready`
+(`register`), or turns `failed`. Deleting marks the version deleted and frees its path; the
+caller removes the artifact unless another version still uses it, and `scheduler.artifact_gc`
+removes those of overwritten, failed and expired versions (`collectable`).
 """
 
 from __future__ import annotations

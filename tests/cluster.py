@@ -31,11 +31,16 @@ class Cluster:
     api_urls: dict[str, str] = dataclasses.field(default_factory=dict)
     workers: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
     beat: subprocess.Popen[bytes] | None = None
+    # Each process keeps its own data folder (as on separate machines) instead of sharing one.
+    private_data: bool = False
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (kept open for the process)
+        env = self.env
+        if self.private_data:
+            env = {**env, "TREADLE_DATA_DIR": str(self.root / f"data-{name}")}
         return subprocess.Popen(
-            [CLI, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [CLI, *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def start_api(self, name: str) -> str:
@@ -93,7 +98,16 @@ def _wait_http(url: str, log: Path, seconds: float = 90) -> None:
 
 
 @contextlib.contextmanager
-def cluster(root: Path, postgres_url: str, redis_url: str, **settings: str) -> Iterator[Cluster]:
+def cluster(
+    root: Path,
+    postgres_url: str,
+    redis_url: str,
+    *,
+    s3: tuple[str, dict[str, str]] | None = None,
+    **settings: str,
+) -> Iterator[Cluster]:
+    """`s3` is an artifact URL with the environment that reaches it: the processes then share
+    no folder at all, each keeping its own data folder."""
     db_number = random.randint(1, 15)
     redis_db = f"{redis_url}/{db_number}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
@@ -108,8 +122,11 @@ def cluster(root: Path, postgres_url: str, redis_url: str, **settings: str) -> I
         HF_HUB_OFFLINE="1",
         **{f"TREADLE_{k.upper()}": v for k, v in settings.items()},
     )
+    if s3 is not None:
+        url, s3_env = s3
+        env.update(s3_env, TREADLE_ARTIFACT_URL=url)
     subprocess.run([CLI, "migrate"], env=env, check=True, capture_output=True, timeout=120)
-    group = Cluster(env=env, root=root)
+    group = Cluster(env=env, root=root, private_data=s3 is not None)
     try:
         yield group
     finally:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
-from core.tables import Operation, Session, TrainingRun, Worker
+from core.tables import ModelVersion, Operation, Session, TrainingRun, Worker
 from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
 from tests.scenarios import ADAM, BATCH, MODEL, scenario
@@ -26,19 +26,29 @@ from tests.server import start_server
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["shared-folder", "s3"])
 def running(
-    tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str, redis_url: str
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    postgres_admin_url: str,
+    redis_url: str,
 ) -> Iterator[tuple[Cluster, Database, TenantFactory]]:
+    """The cluster with its artifacts in one folder every process mounts, or in an S3 bucket
+    with no folder shared at all."""
     from tests.services import throwaway_database
 
     root = tmp_path_factory.mktemp("cluster")
+    s3 = None
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        s3 = (server.bucket(), server.env)
     with (
         throwaway_database(postgres_admin_url) as db_url,
         cluster(
             root,
             db_url,
             redis_url,
+            s3=s3,
             worker_lease_seconds="10",
             snapshot_every_steps="3",
             session_ttl_seconds="30",
@@ -164,11 +174,23 @@ def test_killed_worker_costs_latency_not_errors(
         ops = db.scalar(
             select(func.count()).select_from(Operation).where(Operation.target_id == victim["run"])
         )
+        stored = [
+            *db.scalars(
+                select(ModelVersion.artifact_uri).where(
+                    ModelVersion.training_run_id == victim["run"]
+                )
+            ),
+            db.scalar(select(TrainingRun.snapshot_uri).where(TrainingRun.id == victim["run"])),
+        ]
     assert new_holder is not None and new_holder != victim["worker"]
     # Each op billed once: 8 SFT steps and one RL step of training tokens, nothing replayed twice.
     sft_tokens = 8 * sum(d.model_input.length for d in BATCH)
     assert trained is not None and sft_tokens < trained < sft_tokens + 100
     assert ops == 1 + 2 * 9 + 2  # create, 9 x (forward_backward + optim_step), 2 saves
+    # Saves and snapshots are in the configured store (with S3, no process shares a folder).
+    where = group.env["TREADLE_ARTIFACT_URL"]
+    assert len(stored) == 3
+    assert all(uri is not None and uri.removeprefix("file://").startswith(where) for uri in stored)
     print(
         f"\nkill-to-resumed (worker killed after step 3 until step 4 completed on {new_holder}): "
         f"{timings['resumed'] - timings['killed']:.1f} s"

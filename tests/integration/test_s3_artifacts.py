@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from core import checkpoints, references
+from core import checkpoints, references, runs, sessions
 from core.clock import FakeClock, SystemClock
 from core.objectstore import S3ArtifactStore
 from core.tables import ModelVersion, TrainingRun, VersionStatus
@@ -270,3 +270,96 @@ def test_collection_removes_overwritten_expired_and_stale_uploads_but_not_shared
         assert s3_server.keys(alive.artifact_uri or "")
     # A failed version on an artifact a ready one still uses keeps naming it, objects and all.
     assert by_id[shared.id].artifact_uri == kept.artifact_uri
+
+
+def test_deleting_a_checkpoint_keeps_files_another_version_still_uses(
+    s3_app: Server, s3_server: S3Server
+) -> None:
+    run_id = s3_app.trained_run()
+    s3_app.op("save_weights", {"model_id": run_id, "seq_id": 3, "path": "a"})
+    (original,) = s3_app.versions(run_id)
+    uri = original.artifact_uri or ""
+    with s3_app.database.transaction() as db:
+        run = db.get(TrainingRun, run_id)
+        assert run is not None
+        # A second version on the same artifact, as promotion makes one.
+        copy_id = checkpoints.register(
+            db,
+            SystemClock(),
+            run=run,
+            kind="training",
+            name=None,
+            artifact_uri=uri,
+            size_bytes=original.size_bytes or 0,
+            sha256=original.sha256 or "",
+        ).id
+    route = f"/api/v1/training_runs/{run_id}/checkpoints/weights/a"
+    deleted = s3_app.client.delete(route, headers=s3_app.headers)
+    assert deleted.status_code == 204, deleted.text
+    assert s3_server.keys(uri)  # the copy still uses them
+    assert (
+        artifact_gc.collect(
+            s3_app.database, s3_app.store, SystemClock(), pending_grace=timedelta(hours=1)
+        )
+        == artifact_gc.Collected()
+    )
+    assert s3_server.keys(uri)
+    with s3_app.database.transaction() as db:
+        copy = db.get(ModelVersion, copy_id)
+        assert copy is not None
+        assert checkpoints.mark_deleted(copy) == uri  # the last one out removes them
+
+
+def test_collection_removes_the_snapshot_of_a_run_that_never_runs_again(
+    app_factory: AppFactory, s3_artifact_url: str, s3_server: S3Server
+) -> None:
+    app = app_factory(artifact_url=s3_artifact_url, snapshot_every_steps=1)
+    with TestClient(app) as client:
+        server = Server(app, client)
+        run_id = server.trained_run()
+        live = server.trained_run(seq=1)
+        # A snapshot is taken right after the step's result is recorded.
+        deadline = time.monotonic() + 60
+        while True:
+            with server.database.reader() as db:
+                uris = {
+                    r.id: r.snapshot_uri
+                    for r in db.scalars(
+                        select(TrainingRun).where(TrainingRun.id.in_([run_id, live]))
+                    )
+                }
+            if all(uris.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert all(uri and uri.startswith(s3_artifact_url) for uri in uris.values())
+        assert all(s3_server.keys(uri or "") for uri in uris.values())
+        gc = {"pending_grace": timedelta(hours=1)}
+        # While the session is open, both runs may still run: their snapshots stay.
+        assert (
+            artifact_gc.collect(server.database, server.store, SystemClock(), **gc).snapshots == 0
+        )
+        with server.database.transaction() as db:
+            run = db.get(TrainingRun, run_id)
+            assert run is not None
+            runs.unload(run)
+            sessions.finish(
+                db,
+                SystemClock(),
+                tenant_id=run.tenant_id,
+                session_id=server.session_id,
+                reason="success",
+                detail=None,
+                ttl_seconds=300,
+            )
+        # The other run's session ended too, but it was not unloaded: it stays as it was.
+        collected = artifact_gc.collect(server.database, server.store, SystemClock(), **gc)
+        assert collected.snapshots == 1
+        assert s3_server.keys(uris[run_id] or "") == []
+        assert s3_server.keys(uris[live] or "")
+        with server.database.reader() as db:
+            assert (
+                db.scalar(select(TrainingRun.snapshot_uri).where(TrainingRun.id == run_id)) is None
+            )
+        assert (
+            artifact_gc.collect(server.database, server.store, SystemClock(), **gc).snapshots == 0
+        )

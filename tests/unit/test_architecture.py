@@ -1,4 +1,5 @@
-"""The import arrows of DESIGN.md §2 hold, the light packages never load torch, and
+"""The import arrows of DESIGN.md §2 hold, the light packages never load torch (nor the S3
+clients, which only an S3 artifact store imports), and
 docs/architecture.md lists the packages there are."""
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def test_import_contracts() -> None:
 def test_module_imports_without_torch(module: str) -> None:
     code = (
         f"import sys, {module}\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'boto3', 'botocore', 's3fs')"
+        " if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
     result = subprocess.run(
