@@ -163,6 +163,10 @@ def test_checkpoints_live_in_the_bucket_and_load_and_sample_on_a_server_without_
         out = result(second.client, second.headers, sampled.json()["request_id"])
         assert len(out["sequences"]) == 1  # type: ignore[arg-type]
         assert (tmp_path / "elsewhere" / "artifact-cache").is_dir()
+        # The tokenizers the engine published to the store are served from it.
+        tokenizer = second.client.get(f"/api/v1/models/{MODEL}/tokenizer", headers=second.headers)
+        assert tokenizer.status_code == 200, tokenizer.text
+        assert "tokenizer.json" in tokenizer.json()["files"]
 
 
 def test_an_upload_that_fails_half_way_leaves_a_failed_version_and_no_name(
