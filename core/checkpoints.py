@@ -23,7 +23,7 @@ from sqlalchemy.orm import aliased, object_session
 from core import references
 from core.clock import Clock
 from core.errors import ConfigurationError, InvalidInput, NotFound
-from core.tables import ModelPackage, ModelVersion, TrainingRun, VersionStatus
+from core.tables import ModelAlias, ModelPackage, ModelVersion, TrainingRun, VersionStatus
 from treadle.types.checkpoints import checkpoint_name_problem
 
 # A tinker path's segment names the kind of save that made it; `external` (what the tinker
@@ -171,6 +171,7 @@ def register(
                 raise InvalidInput(
                     f"checkpoint {path} already exists; pick another name or pass overwrite=True"
                 )
+            require_unaliased(db, existing, "overwrite")
             existing.status, existing.tinker_path = VersionStatus.DELETED, None
             db.flush()
     package = _package_for_run(db, clock, run)
@@ -394,6 +395,25 @@ def latest_of_kind(db: OrmSession, run_id: str, kind: str) -> ModelVersion | Non
         .order_by(ModelVersion.version.desc())
         .limit(1)
     )
+
+
+def require_unaliased(db: OrmSession, version: ModelVersion, verb: str) -> None:
+    """Refuse to retire a version an alias points at: an alias never names a deleted version."""
+    names = list(
+        db.scalars(
+            select(ModelAlias.name)
+            .where(ModelAlias.version_id == version.id)
+            .order_by(ModelAlias.name)
+        )
+    )
+    if names:
+        package = db.get(ModelPackage, version.package_id)
+        label = package.name if package is not None else version.package_id
+        raise InvalidInput(
+            f"cannot {verb} {version.tinker_path or f'{label}:{version.version}'}: "
+            f"{', '.join(f'{label}@{name}' for name in names)} points at it; move or delete "
+            "those aliases first (treadle registry alias / unalias)"
+        )
 
 
 def mark_deleted(version: ModelVersion) -> str | None:

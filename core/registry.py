@@ -300,20 +300,10 @@ def _require_usable(version: ModelVersion, clock: Clock, what: str, verb: str) -
         raise InvalidInput(f"{what} is {state}; {verb} a ready, unexpired version")
 
 
-def aliases_of(db: OrmSession, version: ModelVersion) -> list[str]:
-    """The aliases pointing at `version`, `latest` included when it is the newest ready one."""
-    return aliases_by_version(db, version.package_id).get(version.id, [])
-
-
 def delete_version(db: OrmSession, tenant_id: str, name: str, number: int) -> ModelVersion:
     """Retire a version (its tinker path is free again); refused while an alias points at it."""
     version = get_version(db, tenant_id, name, number, lock=True)
-    pointing = [a for a in aliases_of(db, version) if a != references.LATEST]
-    if pointing:
-        raise InvalidInput(
-            f"version {number} of {name!r} is what {', '.join(f'{name}@{a}' for a in pointing)} "
-            "points at; move or delete those aliases first"
-        )
+    checkpoints.require_unaliased(db, version, "delete")
     checkpoints.retire(version)
     db.flush()
     return version

@@ -201,6 +201,7 @@ def delete_checkpoint(
     """Retire the checkpoint (its path is free again) and remove its files."""
     with state.database.transaction() as db:
         version = checkpoints.owned(db, state.clock, principal.tenant_id, run_id, f"{kind}/{name}")
+        checkpoints.require_unaliased(db, version, "delete")
         _audit(db, state.clock, principal, version, "checkpoint.deleted")
         uri = checkpoints.mark_deleted(version)
     # Only once the row is committed: a crash in between leaves an orphaned folder, never a

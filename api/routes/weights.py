@@ -40,10 +40,13 @@ def _new_checkpoint(
         if body.path is not None:
             checkpoints.check_name(body.path)
             path = checkpoints.tinker_path(run.id, kind, body.path)
-            if not overwrite and checkpoints.find_by_path(db, path) is not None:
+            existing = checkpoints.find_by_path(db, path)
+            if existing is not None and not overwrite:
                 raise InvalidInput(
                     f"checkpoint {path} already exists; pick another name or pass overwrite=True"
                 )
+            if existing is not None:
+                checkpoints.require_unaliased(db, existing, "overwrite")
         return body.model_dump(mode="json", exclude_none=True)
 
     return payload

@@ -2,23 +2,22 @@
 
 A run's saves are versions of its package (named after the run); `package@alias` and
 `package:version` name them wherever a tinker path is accepted: loading into a new run or an
-existing one (with or without the optimizer), sampling, weights_info. Aliases are set here
-straight in the database, as the registry's own calls would set them.
+existing one (with or without the optimizer), sampling, weights_info. Aliases are set through the
+registry API, and every move is in the tenant's audit log.
 """
 
 from __future__ import annotations
 
 import hashlib
-import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select
 
 import treadle
 from core.objectstore import ArtifactStore
-from core.tables import ModelAlias, ModelVersion, Operation, TrainingRun
+from core.tables import AuditLog, ModelVersion, Operation, TrainingRun
 from scheduler.ops import OpKind
 from tests.builders import TenantKey
 from tests.e2e.treadle_data import MODEL, sft_datum
@@ -49,26 +48,12 @@ def version_at(server: LiveServer, path: str) -> ModelVersion:
         return version
 
 
-def set_alias(server: LiveServer, version: ModelVersion, name: str) -> None:
-    """Point alias `name` of the version's package at it (created or moved)."""
-    with server.database.transaction() as db:
-        alias = db.scalar(
-            select(ModelAlias).where(
-                ModelAlias.package_id == version.package_id, ModelAlias.name == name
-            )
-        )
-        if alias is None:
-            alias = ModelAlias(
-                id="al_" + uuid.uuid4().hex[:16],
-                tenant_id=version.tenant_id,
-                package_id=version.package_id,
-                name=name,
-                version_id=version.id,
-                updated_at=datetime.now(UTC),
-            )
-            db.add(alias)
-        else:
-            alias.version_id, alias.updated_at = version.id, datetime.now(UTC)
+def set_alias(service: treadle.ServiceClient, version: ModelVersion, name: str) -> None:
+    """Point alias `name` of the version's package at it (created or moved), through the
+    registry API."""
+    package = version.training_run_id  # a run's package is named after it
+    assert package is not None
+    service.create_rest_client().set_alias(package, name, version.version).result()
 
 
 def train(trainer: treadle.TrainingClient, batch: list[types.Datum], steps: int) -> None:
@@ -89,11 +74,13 @@ def test_alias_and_version_references_load_with_the_optimizer(
     train(trainer, batch, 2)
     path = trainer.save_state("mid").result().path
     saved = version_at(live_server, path)
-    set_alias(live_server, saved, "production")
+    set_alias(service, saved, "production")
     package = trainer.model_id  # a run's package is named after it
     train(trainer, batch, 1)
     expected = loss(trainer, batch)
 
+    with pytest.raises(treadle.BadRequestError, match=r"cannot overwrite .*@production points"):
+        trainer.save_state("mid", overwrite=True).result()
     resumed = service.create_training_client_from_state_with_optimizer(f"{package}@production")
     train(resumed, batch, 1)
     assert loss(resumed, batch) == pytest.approx(expected, rel=1e-5)
@@ -206,10 +193,10 @@ def test_a_moved_alias_serves_the_new_version_and_dead_targets_are_404(
             service.create_sampling_client(model_path=model_path).compute_logprobs(prompt).result()
         )
 
-    set_alias(live_server, first, "production")
+    set_alias(service, first, "production")
     on_first = logprobs(reference)
     assert on_first == pytest.approx(logprobs(first_path), abs=1e-5)
-    set_alias(live_server, second, "production")
+    set_alias(service, second, "production")
     on_second = logprobs(reference)
     assert on_second == pytest.approx(logprobs(second_path), abs=1e-5)
     assert on_second != pytest.approx(on_first, abs=1e-3)
@@ -222,13 +209,44 @@ def test_a_moved_alias_serves_the_new_version_and_dead_targets_are_404(
     with pytest.raises(treadle.BadRequestError, match="holds no optimizer state"):
         into.load_state_with_optimizer(reference).result(timeout=120)
 
-    # The alias `old` still names the first version once it is deleted.
-    set_alias(live_server, first, "old")
-    service.create_rest_client().delete_checkpoint(first_path).result()
-    with pytest.raises(treadle.NotFoundError, match=r"@old names version \d+, which is deleted"):
-        service.create_sampling_client(model_path=f"{trainer.model_id}@old")
+    # Each move is in the tenant's audit log, with the versions before and after.
+    with live_server.database.reader() as db:
+        moves = [
+            (
+                entry.action,
+                (entry.detail or {}).get("from_version"),
+                (entry.detail or {}).get("to_version"),
+            )
+            for entry in db.scalars(
+                select(AuditLog)
+                .where(AuditLog.tenant_id == first.tenant_id)
+                .where(AuditLog.action.startswith("registry.alias"))
+                .order_by(AuditLog.id)
+            )
+        ]
+    assert moves == [
+        ("registry.alias.created", None, first.version),
+        ("registry.alias.moved", first.version, second.version),
+    ]
+
+    # An alias never names a deleted version: deleting or overwriting its target is refused
+    # with what to do; once the alias is gone the version deletes and its number is 404.
+    rest = service.create_rest_client()
+    set_alias(service, first, "old")
+    with pytest.raises(treadle.BadRequestError, match=r"@old points at it; move or delete"):
+        rest.delete_checkpoint(first_path).result()
+    rest.delete_alias(trainer.model_id, "old").result()
+    rest.delete_checkpoint(first_path).result()
     with pytest.raises(treadle.NotFoundError, match="not found; list the package's versions"):
         service.create_training_client_from_state(f"{trainer.model_id}:{first.version}")
+    # An alias whose version has expired says so.
+    set_alias(service, second, "stale")
+    with live_server.database.transaction() as db:
+        row = db.get(ModelVersion, second.id)
+        assert row is not None
+        row.expires_at = datetime.now(UTC) - timedelta(seconds=1)
+    with pytest.raises(treadle.NotFoundError, match=r"@stale names version \d+, which is expired"):
+        service.create_sampling_client(model_path=f"{trainer.model_id}@stale")
     with pytest.raises(treadle.NotFoundError, match="package 'nobody:train:0' not found"):
         service.create_rest_client().get_weights_info("nobody:train:0@latest").result()
     with pytest.raises(treadle.InvalidArgumentError, match="nor a registry reference"):
@@ -240,7 +258,7 @@ def test_references_name_only_the_callers_own_packages(
 ) -> None:
     trainer = service.create_lora_training_client(MODEL, rank=4, seed=2)
     path = trainer.save_state("mine").result().path
-    set_alias(live_server, version_at(live_server, path), "production")
+    set_alias(service, version_at(live_server, path), "production")
     with treadle.ServiceClient(
         base_url=live_server.base_url, api_key=live_server.make_tenant().key
     ) as stranger:
