@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from rich.console import Console
@@ -95,3 +96,36 @@ def test_the_cli_commands(account: tuple[str, str, str]) -> None:
     assert "stable" in refused
     _invoke("unalias", "cli-main", "stable")
     assert "deleted package cli-main" in _invoke("delete", "cli-main")
+
+
+def test_concurrent_saves_and_promotions_get_distinct_consecutive_versions(
+    live_server: LiveServer,
+) -> None:
+    """Twenty saves submitted at once, while twenty promotions land in the same package from
+    other threads, number the package's versions 1..40 with no gap and no repeat."""
+    key = live_server.make_tenant().key
+    with treadle.ServiceClient(base_url=live_server.base_url, api_key=key) as service:
+        donor = service.create_lora_training_client(MODEL, rank=2, seed=3)
+        donor.save_state("donor").result(timeout=120)
+        trainer = service.create_lora_training_client(MODEL, rank=2, seed=4)
+        trainer.save_state("first").result(timeout=120)
+        rest = service.create_rest_client()
+        saves = [trainer.save_state(f"save-{i}") for i in range(19)]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            promotions = [
+                pool.submit(
+                    lambda: rest.promote_version(donor.model_id, 1, trainer.model_id).result(
+                        timeout=120
+                    )
+                )
+                for _ in range(20)
+            ]
+            promoted = [future.result().version for future in promotions]
+        for save in saves:
+            save.result(timeout=120)
+        listed = rest.list_versions(trainer.model_id, limit=100).result(timeout=60).versions
+    numbers = sorted(v.version for v in listed)
+    assert numbers == list(range(1, 41))
+    assert len(set(promoted)) == 20
+    saved = sorted(v.version for v in listed if v.tinker_path is not None)
+    assert len(saved) == 20 and saved[0] == 1
