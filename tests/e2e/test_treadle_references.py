@@ -209,6 +209,14 @@ def test_a_moved_alias_serves_the_new_version_and_dead_targets_are_404(
     with pytest.raises(treadle.BadRequestError, match="holds no optimizer state"):
         into.load_state_with_optimizer(reference).result(timeout=120)
 
+    # So do exports (of a run loaded from the reference) and downloads.
+    exporter = service.create_training_client_from_state(reference)
+    exported = exporter.export("deploy", merged=True).result(timeout=120).path
+    export_version = version_at(live_server, exported)
+    assert (export_version.kind, export_version.parent_version_id) == ("merged", second.id)
+    rest = service.create_rest_client()
+    assert rest.get_download_urls(reference).result().version_id == second.id
+
     # Each move is in the tenant's audit log, with the versions before and after.
     with live_server.database.reader() as db:
         moves = [
@@ -231,7 +239,6 @@ def test_a_moved_alias_serves_the_new_version_and_dead_targets_are_404(
 
     # An alias never names a deleted version: deleting or overwriting its target is refused
     # with what to do; once the alias is gone the version deletes and its number is 404.
-    rest = service.create_rest_client()
     set_alias(service, first, "old")
     with pytest.raises(treadle.BadRequestError, match=r"@old points at it; move or delete"):
         rest.delete_checkpoint(first_path).result()
