@@ -9,30 +9,15 @@ them (two beats during a hand-over, a restart) changes nothing.
 from __future__ import annotations
 
 import logging
-import threading
-from datetime import datetime, timedelta
 
 from billing.storage import meter_storage
 from billing.stripe_push import start_push
 from core.clock import Clock
 from core.db import Database
+from core.periodic import due
 from core.settings import Settings
 
 log = logging.getLogger(__name__)
-
-_lock = threading.Lock()
-_last_run: dict[tuple[str, str], datetime] = {}
-
-
-def _due(job: str, database: Database, now: datetime, every_seconds: float) -> bool:
-    """Whether `job` should run now on `database`; if so, it counts as run from now on."""
-    key = (job, database.url)
-    with _lock:
-        last = _last_run.get(key)
-        if last is not None and last <= now < last + timedelta(seconds=every_seconds):
-            return False
-        _last_run[key] = now
-        return True
 
 
 def meter_storage_now(database: Database, clock: Clock) -> int:
@@ -54,12 +39,12 @@ def run_periodic(database: Database, settings: Settings, clock: Clock) -> None:
     """Run the billing jobs that are due. A job that fails is logged and retried at its next
     interval; it never stops the others."""
     now = clock.now()
-    if _due("storage", database, now, settings.storage_meter_seconds):
+    if due("storage", database, now, settings.storage_meter_seconds):
         try:
             meter_storage_now(database, clock)
         except Exception:
             log.exception("metering checkpoint storage failed; retrying next interval")
-    if settings.stripe_api_key is not None and _due(
+    if settings.stripe_api_key is not None and due(
         "stripe", database, now, settings.stripe_push_seconds
     ):
         # In a thread of its own: Stripe's backoff never delays the loop's other jobs.

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy.orm import Session as OrmSession
 
@@ -31,6 +30,7 @@ from core import checkpoints, runs
 from core.clock import Clock
 from core.db import Database
 from core.objectstore import ArtifactStore, open_store
+from core.periodic import due
 from core.settings import Settings
 from core.tables import ModelVersion, TrainingRun
 
@@ -132,22 +132,14 @@ def _drain(
             return total
 
 
-_lock = threading.Lock()
-_last_run: dict[str, datetime] = {}
-
-
 def run_periodic(
     database: Database, settings: Settings, clock: Clock, store: ArtifactStore | None = None
 ) -> None:
     """Collect if EVERY_SECONDS passed since this process last did on `database`; a failure is
     logged and retried at the next interval. Called by beat's tick (which opens the store from
     the settings) and the embedded server (with its own store)."""
-    now = clock.now()
-    with _lock:
-        last = _last_run.get(database.url)
-        if last is not None and last <= now < last + timedelta(seconds=EVERY_SECONDS):
-            return
-        _last_run[database.url] = now
+    if not due("artifact_gc", database, clock.now(), EVERY_SECONDS):
+        return
     try:
         collect(
             database,

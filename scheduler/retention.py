@@ -16,13 +16,13 @@ in bounded batches, one transaction each; on PostgreSQL concurrent runs skip eac
 from __future__ import annotations
 
 import logging
-import threading
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import Select, and_, bindparam, or_, select
 
 from core.clock import Clock
 from core.db import Database
+from core.periodic import due
 from core.settings import Settings
 from core.tables import Operation, RunStatus, Session, SessionStatus, TrainingRun
 from scheduler import oplog
@@ -83,19 +83,11 @@ def prune(database: Database, clock: Clock, retention: timedelta, *, batch: int 
     return total
 
 
-_lock = threading.Lock()
-_last_run: dict[str, datetime] = {}
-
-
 def run_periodic(database: Database, settings: Settings, clock: Clock) -> None:
     """Prune if EVERY_SECONDS passed since this process last did on `database`; a failure is
     logged and retried at the next interval. Called by beat's tick and the embedded server."""
-    now = clock.now()
-    with _lock:
-        last = _last_run.get(database.url)
-        if last is not None and last <= now < last + timedelta(seconds=EVERY_SECONDS):
-            return
-        _last_run[database.url] = now
+    if not due("retention", database, clock.now(), EVERY_SECONDS):
+        return
     try:
         prune(database, clock, timedelta(seconds=settings.oplog_retention_seconds))
     except Exception:
