@@ -349,6 +349,8 @@ class Engine:
                         adapter,
                         stop_ids,
                         stop_strings,
+                        prompt_logprobs=req.prompt_logprobs,
+                        topk_prompt_logprobs=req.topk_prompt_logprobs,
                     )
                     by_model.setdefault(m.name, []).append((i, job))
                 except UserInputError as exc:
@@ -361,28 +363,19 @@ class Engine:
                         m.model, m.ctx, self._tokenizer(m), jobs, self.device, self.autocast_dtype
                     )
                     for i, job in members:
-                        out[i] = self._sample_result(m, requests[i], job)
+                        out[i] = self._sample_result(requests[i], job)
                 except Exception as exc:
                     log.exception("sampling failed")
                     for i, _ in members:
                         out[i] = OpError("server", f"{type(exc).__name__}: {exc}")
             return [r if r is not None else OpError("server", "not executed") for r in out]
 
-    def _sample_result(self, m: _Model, req: SampleRequest, job: sampling.Job) -> SampleResult:
-        lp, top = None, None
-        if req.prompt_logprobs or req.topk_prompt_logprobs > 0:
-            lp, top = sampling.prompt_scores(
-                m.model,
-                m.ctx,
-                job.adapter,
-                job.prompt,
-                req.topk_prompt_logprobs,
-                self.device,
-                self.autocast_dtype,
-            )
+    def _sample_result(self, req: SampleRequest, job: sampling.Job) -> SampleResult:
         sampled = sum(len(s.tokens) for s in job.sequences)
         usage = Usage(prefill_tokens=len(job.prompt), sampled_tokens=sampled)
-        return SampleResult(job.sequences, lp if req.prompt_logprobs else None, top, usage)
+        lp = job.prompt_lp if req.prompt_logprobs else None
+        top = job.prompt_top if req.topk_prompt_logprobs > 0 else None
+        return SampleResult(job.sequences, lp, top, usage)
 
     def _sampler(
         self, run_id: str | None, base_model: str | None
