@@ -28,6 +28,7 @@ from api.routes import (
     futures,
     hub,
     models,
+    oai,
     registry,
     runs,
     sampling,
@@ -124,6 +125,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         audit,
         cost_estimate,
         registry,
+        oai,
     ):
         app.include_router(module.router)
     # The last added runs first: hosts are checked before a body is read, and the size limit

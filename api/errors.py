@@ -3,13 +3,18 @@
 Bodies are always JSON (`{"detail": message, "category": ..., "code": ...}`, the code one of
 `ErrorCode`'s): the tinker SDK treats a 400 with an empty body as a proxy reset and retries it.
 Permanent conditions never use 408/409/429/5xx, which the tinker SDK retries for minutes.
+Under `/oai/` (the OpenAI-compatible API) the same errors are written in OpenAI's format,
+`{"error": {"message", "type", "param", "code"}}`, and an invalid request is a 400, as OpenAI's
+clients expect.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,14 +83,40 @@ def error_response(
     )
 
 
+OPENAI_PREFIX = "/oai/"
+
+# OpenAI's error `type` by status; anything else of a client's is an `invalid_request_error`.
+_OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def for_caller(request: Request, response: JSONResponse, param: str | None = None) -> JSONResponse:
+    """The error as the route's clients read errors: Treadle's body, or under `/oai/` OpenAI's
+    (`param` names the request parameter at fault), with an invalid request answered 400."""
+    if not request.url.path.startswith(OPENAI_PREFIX):
+        return response
+    body = json.loads(bytes(response.body))
+    status = 400 if response.status_code == 422 else response.status_code
+    kind = "server_error" if status >= 500 else _OPENAI_TYPES.get(status, "invalid_request_error")
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length",)}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    error = {"message": body["detail"], "type": kind, "param": param, "code": body["code"]}
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.TreadleError)
-    async def _domain(_: Request, exc: errors.TreadleError) -> JSONResponse:
+    async def _domain(request: Request, exc: errors.TreadleError) -> JSONResponse:
         status = status_for(exc)
         response = error_response(status, exc.code, exc.message, exc.category)
         if isinstance(exc, errors.RateLimited):
             response.headers["Retry-After"] = str(max(1, int(exc.retry_after_seconds + 0.999)))
-        return response
+        return for_caller(request, response, getattr(exc, "param", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -101,7 +132,10 @@ def install_error_handlers(app: FastAPI) -> None:
                 exc.body,
                 message,
             )
-        return error_response(422, ErrorCode.INVALID_INPUT, message, errors=problems)
+        param = _first_param(exc.errors())
+        return for_caller(
+            request, error_response(422, ErrorCode.INVALID_INPUT, message, errors=problems), param
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -121,10 +155,13 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 400 and exc.detail == _UNPARSEABLE_BODY:
             # FastAPI could not even decode a JSON body (not UTF-8): invalid like any bad JSON.
             cause = str(exc.__cause__ or "undecodable")[:120]
-            return error_response(
-                422,
-                ErrorCode.INVALID_INPUT,
-                f"the body is not UTF-8 JSON ({cause}); send JSON text",
+            return for_caller(
+                request,
+                error_response(
+                    422,
+                    ErrorCode.INVALID_INPUT,
+                    f"the body is not UTF-8 JSON ({cause}); send JSON text",
+                ),
             )
         else:
             message = str(exc.detail)
@@ -133,29 +170,45 @@ def install_error_handlers(app: FastAPI) -> None:
                 code = ErrorCode.INTERNAL_ERROR
         response = error_response(exc.status_code, code, message)
         response.headers.update(headers)
-        return response
+        return for_caller(request, response)
 
     @app.exception_handler(DataError)
     async def _unstorable(request: Request, exc: DataError) -> JSONResponse:
         # PostgreSQL text cannot hold NUL, so an id or name carrying one is refused as the
         # client's mistake; the transaction it came in was rolled back whole.
         if "NUL" in str(exc.orig):
-            return error_response(
-                422,
-                ErrorCode.INVALID_INPUT,
-                "a text value holds a NUL character (\\u0000), which cannot be stored; remove it",
+            return for_caller(
+                request,
+                error_response(
+                    422,
+                    ErrorCode.INVALID_INPUT,
+                    "a text value holds a NUL character (\\u0000), which cannot be stored; "
+                    "remove it",
+                ),
             )
         return await _unexpected(request, exc)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(
-            500,
-            ErrorCode.INTERNAL_ERROR,
-            "internal server error; the operator's logs have the details",
-            "server",
+        return for_caller(
+            request,
+            error_response(
+                500,
+                ErrorCode.INTERNAL_ERROR,
+                "internal server error; the operator's logs have the details",
+                "server",
+            ),
         )
+
+
+def _first_param(problems: Iterable[Any]) -> str | None:
+    """The request parameter the first validation problem is about (`messages.0.content`)."""
+    for problem in problems:
+        location = [str(part) for part in problem.get("loc", ()) if part not in ("body",)]
+        if location:
+            return ".".join(location)
+    return None
 
 
 def allowed_methods(request: Request, routes: Iterable[BaseRoute] | None = None) -> list[str]:

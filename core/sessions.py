@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session as OrmSession
 from core.clock import Clock
 from core.errors import ErrorCode, NotFound, QuotaExceeded, SessionExpired
 from core.ids import new_session_id
-from core.tables import SamplingSession, Session, SessionStatus, Tenant, TrainingRun
+from core.tables import SamplingSession, Session, SessionKind, SessionStatus, Tenant, TrainingRun
 
 
 def _stale_before(clock: Clock, ttl_seconds: float) -> datetime:
@@ -73,7 +73,11 @@ def create_session(
         db.scalar(
             select(func.count())
             .select_from(Session)
-            .where(Session.tenant_id == tenant_id, Session.status == SessionStatus.ACTIVE)
+            .where(
+                Session.tenant_id == tenant_id,
+                Session.status == SessionStatus.ACTIVE,
+                Session.kind == SessionKind.CLIENT,
+            )
         )
         or 0
     )
@@ -92,6 +96,7 @@ def create_session(
         tenant_id=tenant_id,
         api_key_id=api_key_id,
         status=SessionStatus.ACTIVE,
+        kind=SessionKind.CLIENT,
         tags=list(tags),
         user_metadata=user_metadata,
         sdk_version=sdk_version,
@@ -104,6 +109,52 @@ def create_session(
     return session
 
 
+def serving_session(
+    db: OrmSession, clock: Clock, *, tenant_id: str, api_key_id: str, ttl_seconds: float
+) -> Session:
+    """The open session the OpenAI-compatible API samples in for this API key, opened on first
+    use and kept alive by each use (a heartbeat); once it expired unused, a new one is opened.
+    Serving sessions do not count against the tenant's concurrent-session quota: they hold no
+    training run, only sampling sessions.
+
+    The tenant row is locked (PostgreSQL) or the write transaction held (SQLite) while one is
+    looked for and opened, so concurrent first requests of a key share one session.
+    """
+    if db.scalar(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()) is None:
+        raise NotFound("tenant not found")
+    session = db.scalar(
+        select(Session)
+        .where(
+            Session.tenant_id == tenant_id,
+            Session.api_key_id == api_key_id,
+            Session.kind == SessionKind.SERVING,
+            Session.status == SessionStatus.ACTIVE,
+        )
+        .order_by(Session.created_at.desc(), Session.id)
+        .limit(1)
+    )
+    if session is not None:
+        _refresh_expiry(session, clock, ttl_seconds)
+        if session.status == SessionStatus.ACTIVE:
+            session.last_heartbeat_at = clock.now()
+            return session
+    now = clock.now()
+    session = Session(
+        id=new_session_id(),
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        status=SessionStatus.ACTIVE,
+        kind=SessionKind.SERVING,
+        tags=[],
+        display_name="OpenAI-compatible API",
+        created_at=now,
+        last_heartbeat_at=now,
+    )
+    db.add(session)
+    db.flush()
+    return session
+
+
 _LISTED_IN_QUOTA_ERROR = 5
 
 
@@ -112,7 +163,11 @@ def _describe_open(db: OrmSession, clock: Clock, tenant_id: str, open_count: int
     longest silent first (the likeliest to be left over by a process that died)."""
     rows = db.execute(
         select(Session.id, Session.created_at, Session.last_heartbeat_at)
-        .where(Session.tenant_id == tenant_id, Session.status == SessionStatus.ACTIVE)
+        .where(
+            Session.tenant_id == tenant_id,
+            Session.status == SessionStatus.ACTIVE,
+            Session.kind == SessionKind.CLIENT,
+        )
         .order_by(Session.last_heartbeat_at, Session.id)
         .limit(_LISTED_IN_QUOTA_ERROR)
     ).all()

@@ -109,6 +109,14 @@ class SessionStatus(enum.StrEnum):
     EXPIRED = "expired"
 
 
+class SessionKind(enum.StrEnum):
+    """`sessions.kind`: a client's own session, or one the OpenAI-compatible API opened for an
+    API key (which does not count against the concurrent-session quota)."""
+
+    CLIENT = "client"
+    SERVING = "serving"
+
+
 class Session(Base):
     __tablename__ = "sessions"
     __table_args__ = (Index("ix_sessions_tenant_status", "tenant_id", "status"),)
@@ -117,6 +125,7 @@ class Session(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     api_key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
     status: Mapped[str] = mapped_column(String(16))  # a SessionStatus
+    kind: Mapped[str] = mapped_column(String(16), server_default=SessionKind.CLIENT.value)
     tags: Mapped[list[str]] = mapped_column(default=list)
     user_metadata: Mapped[dict[str, Any] | None]
     sdk_version: Mapped[str | None] = mapped_column(String(64))
@@ -262,7 +271,14 @@ class ModelPackage(Base):
             sqlite_where=text("deleted_at IS NULL"),
             postgresql_where=text("deleted_at IS NULL"),
         ),
-        Index("ix_model_packages_training_run_id", "training_run_id"),
+        # A run saves into one live package.
+        Index(
+            "uq_model_packages_training_run_live",
+            "training_run_id",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL AND training_run_id IS NOT NULL"),
+            postgresql_where=text("deleted_at IS NULL AND training_run_id IS NOT NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)

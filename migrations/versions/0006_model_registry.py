@@ -21,6 +21,7 @@ depends_on: str | Sequence[str] | None = None
 
 _TIME = sa.DateTime(timezone=True)
 _LIVE = "deleted_at IS NULL"
+_RUN_LIVE = "deleted_at IS NULL AND training_run_id IS NOT NULL"
 _UNPRUNED = "payload_pruned_at IS NULL"
 
 
@@ -41,7 +42,15 @@ def upgrade() -> None:
         sqlite_where=sa.text(_LIVE),
         postgresql_where=sa.text(_LIVE),
     )
-    op.create_index("ix_model_packages_training_run_id", "model_packages", ["training_run_id"])
+    # A run saves into one live package: two first saves at once cannot make two.
+    op.create_index(
+        "uq_model_packages_training_run_live",
+        "model_packages",
+        ["training_run_id"],
+        unique=True,
+        sqlite_where=sa.text(_RUN_LIVE),
+        postgresql_where=sa.text(_RUN_LIVE),
+    )
     op.execute("UPDATE model_packages SET updated_at = created_at")
 
     with op.batch_alter_table("model_versions", schema=None) as batch_op:
@@ -96,6 +105,12 @@ def upgrade() -> None:
         batch_op.alter_column("tokens_trained", server_default=None)
 
     op.add_column("operations", sa.Column("payload_pruned_at", _TIME, nullable=True))
+    # Sessions the OpenAI-compatible API opens per API key (`serving`) are kept apart from
+    # clients' own (`client`), which alone count against the concurrent-session quota.
+    op.add_column(
+        "sessions",
+        sa.Column("kind", sa.String(length=16), nullable=False, server_default="client"),
+    )
     op.create_index(
         "ix_operations_unpruned_finished_at",
         "operations",
@@ -106,6 +121,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_column("sessions", "kind")
     op.drop_index("ix_operations_unpruned_finished_at", table_name="operations")
     op.drop_column("operations", "payload_pruned_at")
     with op.batch_alter_table("training_runs", schema=None) as batch_op:
@@ -134,7 +150,7 @@ def downgrade() -> None:
             "session_id",
         ):
             batch_op.drop_column(column)
-    op.drop_index("ix_model_packages_training_run_id", table_name="model_packages")
+    op.drop_index("uq_model_packages_training_run_live", table_name="model_packages")
     op.drop_index("uq_model_packages_tenant_name_live", table_name="model_packages")
     # Deleted packages' names may repeat live ones; the old constraint needs them unique.
     op.execute("UPDATE model_packages SET name = name || '#' || id WHERE deleted_at IS NOT NULL")

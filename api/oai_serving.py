@@ -1,0 +1,319 @@
+"""How `/oai/v1` samples: the caller's key, the model it names, and one `sample` op.
+
+A request names a model: a base model, a sampling session of the caller's
+(`<session>:sample:<n>`), a saved checkpoint (`tinker://…`) or a registry reference
+(`package@alias`, `package:version`). All but a sampling session are sampled in the key's
+*serving* session (`core.sessions.serving_session`), in one sampling session per base model or
+checkpoint, reused by every later request. The op is submitted exactly as `/api/v1/asample`
+submits it (same checks, queue limit, spend estimate), so it is batched, placed and metered
+like any sample; the request then waits for its result and the ledger's usage of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import Annotated
+
+from fastapi import Depends, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session as OrmSession
+from starlette.concurrency import run_in_threadpool
+
+from api.chat_templates import ServedTokenizer, load
+from api.deps import API_KEY_HEADER, AppState, State
+from api.oai_params import ParamError, Sampling
+from api.submission import in_submission, require_session
+from billing import estimate
+from billing.estimate import Estimate
+from core import apikeys, checkpoints, references, runs, sessions
+from core.apikeys import Principal
+from core.errors import AuthenticationFailed, ErrorCode, InvalidInput, NotFound, RateLimited
+from core.settings import Mode
+from core.tables import ModelPackage, ModelVersion, SamplingSession
+from scheduler import oplog
+from scheduler.futures import FutureState, read_future
+from scheduler.ops import PROTO, OpKind, encode_json_payload
+from scheduler.served import tokenizer_key
+from scheduler.submit import Submitted, submit
+from treadle.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
+from treadle.wire import decode_sample_response
+
+BEARER = HTTPBearer(
+    scheme_name="Bearer",
+    description="A Treadle API key as OpenAI clients send it: `Authorization: Bearer <key>`.",
+    auto_error=False,
+)
+
+_RECHECK_SECONDS = 1.0
+LIVE_PREFIX = "live:"
+
+
+def get_principal(
+    state: State,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
+    header: Annotated[str | None, Security(API_KEY_HEADER)],
+) -> Principal:
+    raw = bearer.credentials if bearer is not None else header
+    if not raw:
+        raise AuthenticationFailed(
+            "missing API key; send it as `Authorization: Bearer <key>` (the OpenAI client's "
+            "api_key) or in the X-API-Key header"
+        )
+    with state.database.reader() as db:
+        principal = apikeys.authenticate(db, state.clock, state.server_secret, raw)
+    if principal.stale_last_used:
+        with state.database.transaction() as db:
+            apikeys.touch(db, state.clock, principal.key_id)
+    return principal
+
+
+OaiPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+class ModelNotFound(NotFound):
+    """A model that names nothing the caller may sample (a foreign one looks the same)."""
+
+    param = "model"
+
+
+def _model_not_found(model: str) -> ModelNotFound:
+    return ModelNotFound(
+        f"model {model[:300]!r} not found; GET /oai/v1/models lists the models this key can use"
+    )
+
+
+def _live_refused() -> ParamError:
+    return ParamError(
+        "model",
+        "sampling a live training run (live:<run id>) is not available on this server yet; "
+        "save its weights for sampling (save_weights_for_sampler) and use the tinker:// path",
+        code=ErrorCode.UNSUPPORTED,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    sampler_id: str
+    base_model: str
+
+
+def _serving_sampler(
+    db: OrmSession,
+    state: AppState,
+    principal: Principal,
+    *,
+    base_model: str,
+    model_path: str | None,
+    version: ModelVersion | None,
+) -> SamplingSession:
+    """The serving session's sampling session for a base model or a checkpoint, created on
+    first use."""
+    serving = sessions.serving_session(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        api_key_id=principal.key_id,
+        ttl_seconds=state.settings.session_ttl_seconds,
+    )
+    query = select(SamplingSession).where(
+        SamplingSession.session_id == serving.id,
+        SamplingSession.base_model == base_model,
+    )
+    if version is None:
+        query = query.where(
+            SamplingSession.model_version_id.is_(None),
+            SamplingSession.training_run_id.is_(None),
+        )
+    else:
+        query = query.where(SamplingSession.model_version_id == version.id)
+    existing = db.scalar(query.limit(1))
+    if existing is not None:
+        return existing
+    used = db.scalar(
+        select(func.max(SamplingSession.sampling_session_seq_id)).where(
+            SamplingSession.session_id == serving.id
+        )
+    )
+    return runs.create_sampling_session(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=serving.id,
+        seq=0 if used is None else used + 1,
+        base_model=base_model,
+        model_path=model_path,
+        training_run_id=None if version is None else version.training_run_id,
+        model_version_id=None if version is None else version.id,
+    )
+
+
+def resolve_target(db: OrmSession, state: AppState, principal: Principal, model: str) -> Target:
+    """The sampling session a request's `model` is sampled in (in the submitting transaction)."""
+    if model in state.settings.offered_models:
+        sampler = _serving_sampler(
+            db, state, principal, base_model=model, model_path=None, version=None
+        )
+        return Target(sampler.id, model)
+    if model.startswith(LIVE_PREFIX):
+        raise _live_refused()
+    if ":sample:" in model and not model.startswith("tinker://"):
+        try:
+            sampler = runs.get_sampling_session(db, principal.tenant_id, model)
+        except NotFound:
+            raise _model_not_found(model) from None
+        require_session(db, state, principal, sampler.session_id)
+        if sampler.model_version_id is not None:
+            checkpoints.require_sampleable(
+                db.get(ModelVersion, sampler.model_version_id),
+                principal.tenant_id,
+                state.clock,
+                sampler.model_path,
+            )
+        return Target(sampler.id, sampler.base_model)
+    if not (model.startswith("tinker://") or references.is_reference(model)):
+        raise _model_not_found(model)
+    version = checkpoints.resolve(db, state.clock, principal.tenant_id, model)
+    package = db.get(ModelPackage, version.package_id)
+    assert package is not None
+    sampler = _serving_sampler(
+        db, state, principal, base_model=package.base_model, model_path=model, version=version
+    )
+    return Target(sampler.id, package.base_model)
+
+
+def base_model_of(state: AppState, principal: Principal, model: str) -> str:
+    """The base model a request's `model` samples, without creating anything."""
+    if model in state.settings.offered_models:
+        return model
+    with state.database.reader() as db:
+        if ":sample:" in model and not model.startswith("tinker://"):
+            try:
+                return runs.get_sampling_session(db, principal.tenant_id, model).base_model
+            except NotFound:
+                raise _model_not_found(model) from None
+        if model.startswith(LIVE_PREFIX):
+            raise _live_refused()
+        if not (model.startswith("tinker://") or references.is_reference(model)):
+            raise _model_not_found(model)
+        version = checkpoints.resolve(db, state.clock, principal.tenant_id, model)
+        package = db.get(ModelPackage, version.package_id)
+        assert package is not None
+        return package.base_model
+
+
+def tokenizer_for(state: AppState, base_model: str) -> ServedTokenizer:
+    served = state.settings.model_aliases.get(base_model, base_model)
+    try:
+        folder = state.store.open_dir(state.store.uri(tokenizer_key(served)))
+    except FileNotFoundError as exc:
+        raise InvalidInput(
+            f"the tokenizer of {base_model!r} is not published yet; retry once a worker serving "
+            "it has started",
+            code=ErrorCode.UNSUPPORTED,
+        ) from exc
+    return load(base_model, folder)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    response: SampleResponse
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def submit_sample(
+    state: AppState,
+    principal: Principal,
+    model: str,
+    prompt: list[int],
+    sampling: Sampling,
+    stop: list[str] | None,
+) -> str:
+    """Submit one `sample` op for the request; returns its request id."""
+    request = SampleRequest(
+        num_samples=sampling.n,
+        prompt=ModelInput.from_ints(prompt),
+        sampling_params=SamplingParams(
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            stop=stop,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+        ),
+    )
+    usage = (
+        estimate.sample(len(prompt), sampling.max_tokens, sampling.n)
+        if principal.spend_limited
+        else None
+    )
+
+    def work(db: OrmSession) -> tuple[str, Submitted]:
+        target = resolve_target(db, state, principal, model)
+        queued = oplog.queued_samples(db)
+        if queued >= state.settings.max_queued_samples:
+            raise RateLimited(
+                f"the sampling queue is full ({queued} requests waiting); retry shortly",
+                retry_after_seconds=1.0,
+            )
+        body = request.model_copy(update={"sampling_session_id": target.sampler_id})
+        payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
+        sampler = db.get(SamplingSession, target.sampler_id)
+        assert sampler is not None
+        return target.sampler_id, submit(
+            db,
+            state.clock,
+            tenant_id=principal.tenant_id,
+            session_id=sampler.session_id,
+            target_id=target.sampler_id,
+            seq_id=None,
+            kind=OpKind.SAMPLE,
+            payload=payload,
+            payload_codec=codec,
+            api_key_id=principal.key_id,
+            estimate=None if usage is None else Estimate(target.base_model, usage),
+        )
+
+    _, submitted = in_submission(state, work)
+    return submitted.request_id
+
+
+def _read(state: AppState, tenant_id: str, request_id: str) -> FutureState:
+    with state.database.reader() as db:
+        return read_future(
+            db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED
+        )
+
+
+async def wait_for(state: AppState, principal: Principal, request_id: str) -> Sampled:
+    """The op's result and its ledger usage, once it finished; its failure as an error."""
+    event = state.notifier.subscribe(request_id)
+    try:
+        while True:
+            future = await run_in_threadpool(_read, state, principal.tenant_id, request_id)
+            if future.done:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), _RECHECK_SECONDS)
+            event.clear()
+    finally:
+        state.notifier.unsubscribe(request_id, event)
+    if future.failure is not None:
+        failure = future.failure
+        if failure.category != "user":
+            raise RuntimeError(f"sampling failed on the server: {failure.message}")
+        raise InvalidInput(failure.message, code=failure.code)
+    assert future.result is not None
+    response = (
+        decode_sample_response(future.result)
+        if future.result_codec == PROTO
+        else SampleResponse.model_validate_json(future.result)
+    )
+    usage = future.usage or {}
+    return Sampled(
+        response=response,
+        prompt_tokens=int(usage.get("sampling_prefill", 0)),
+        completion_tokens=int(usage.get("sampling_sample", 0)),
+    )
