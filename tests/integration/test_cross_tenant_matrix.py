@@ -159,6 +159,20 @@ def _on_run(**body: Any) -> Route:
 
 
 API = "/api/v1"
+OAI = "/oai/v1"
+
+
+def _oai(body: dict[str, Any]) -> Route:
+    """An OpenAI-compatible completion: its `model` is a sampling session or a checkpoint."""
+    body = {**body, "max_tokens": 1}
+    return Route(
+        (
+            Call({("model",): SAMPLER}, body=body),
+            Call({("model",): CHECKPOINT}, body=body, public_ref=("model",)),
+        )
+    )
+
+
 REGISTRY = f"{API}/registry/packages"
 PACKAGE_REF: Ref = ("name",)
 VERSION_REF: Ref = ("name", "version")
@@ -352,6 +366,12 @@ ROUTES: dict[tuple[str, str], Route] = {
     ),
     ("DELETE", f"{REGISTRY}/{{name}}/aliases/{{alias}}"): Route((Call({ALIAS_REF: ALIAS}),)),
     ("GET", f"{REGISTRY}/{{name}}/lineage"): Route((Call({PACKAGE_REF: PACKAGE}),)),
+    ("GET", f"{OAI}/models"): Route(
+        no_reference="the served base models and the caller's own models",
+        lists_own=Owner.SESSION,
+    ),
+    ("POST", f"{OAI}/chat/completions"): _oai({"messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", f"{OAI}/completions"): _oai({"prompt": "hi"}),
 }
 
 # Counters the client keeps; they position a request, they do not name an object.
