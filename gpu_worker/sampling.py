@@ -203,6 +203,7 @@ class Sampler:
                     completed.append(job)
             else:
                 keep.append(a)
+        self._next_AV = None  # used up
         if len(keep) < len(self._rows):
             self._select(keep)
         if self._rows:
@@ -275,6 +276,13 @@ class Sampler:
         else:
             self._merge(cache, mask_BP, stop_BS, *new)
         self._rows += rows
+        # rows of one adapter side by side: each LoRA layer then runs one matmul per adapter,
+        # not one per run of alternating rows
+        first: dict[int, int] = {}
+        group = [first.setdefault(id(row.job.adapter), len(first)) for row in self._rows]
+        order = sorted(range(len(group)), key=group.__getitem__)
+        if order != list(range(len(order))):
+            self._select(order)
 
     def _merge(
         self,
@@ -317,7 +325,7 @@ class Sampler:
         self._params = self._params.cat(params)
 
     def _select(self, keep: list[int]) -> None:
-        """Keep only the rows at `keep`: their cache rows, masks and parameters."""
+        """Keep the rows at `keep`, in that order: their cache rows, masks and parameters."""
         assert self._mask_AL is not None and self._params is not None
         assert self._stop_AS is not None and self._pos_A is not None
         self._rows = [self._rows[a] for a in keep]
@@ -331,6 +339,8 @@ class Sampler:
         self._pos_A = self._pos_A[index_A]
         self._stop_AS = self._stop_AS[index_A]
         self._params = self._params.select(index_A, [r.job.params for r in self._rows])
+        if self._next_AV is not None:
+            self._next_AV = self._next_AV[index_A]
         # columns that are padding for every remaining row are dropped from the cache
         first = int(self._mask_AL.any(dim=0).int().argmax())
         if first > 0:
