@@ -13,7 +13,7 @@ from core import runs, sessions
 from core.apikeys import Principal
 from core.errors import ErrorCode, InvalidInput, SessionExpired, TreadleError
 from core.ids import training_run_id
-from core.tables import RunStatus, Tenant, TrainingRun
+from core.tables import RunStatus, SamplingSession, Tenant, TrainingRun
 from scheduler.admission import admit_training_run
 from scheduler.ops import OpKind, encode_json_payload, refused
 from scheduler.submit import Submitted, submit, submit_training_op
@@ -44,6 +44,29 @@ def require_session(db: OrmSession, state: AppState, principal: Principal, sessi
         tenant_id=principal.tenant_id,
         session_id=session_id,
         ttl_seconds=state.settings.session_ttl_seconds,
+    )
+
+
+def open_live_sampler(
+    db: OrmSession, state: AppState, principal: Principal, *, session_id: str, seq: int, run_id: str
+) -> SamplingSession:
+    """The sampling session `(session_id, seq)` of the caller on the current weights of its
+    training run `run_id` (`live:<run id>`): its samples run on the worker holding the run,
+    with the adapter as the run's last executed optim_step left it. The caller's session must be
+    open; a missing or foreign run is a 404, an unloaded, failed or ended one a user error. A
+    retried creation returns the same session."""
+    require_session(db, state, principal, session_id)
+    run = runs.require_live(db, principal.tenant_id, run_id)
+    return runs.create_sampling_session(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=session_id,
+        seq=seq,
+        base_model=run.base_model,
+        model_path=runs.LIVE_PREFIX + run.id,
+        training_run_id=run.id,
+        model_version_id=None,
     )
 
 

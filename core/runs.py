@@ -23,6 +23,11 @@ from core.errors import InvalidInput, NotFound
 from core.ids import sampling_session_id, training_run_id
 from core.tables import RunStatus, SamplingSession, Session, SessionStatus, TrainingRun
 
+# `live:<training run id>`, a model path that samples a run's current weights (a Treadle
+# extension of the Tinker protocol's model paths). The tinker SDK sends only `tinker://` paths,
+# so `tinker://live:<training run id>` names the same.
+LIVE_PREFIX = "live:"
+
 # The adapter a create_model without a LoRA config gets; a config without a rank gets this rank.
 DEFAULT_LORA_RANK = 32
 
@@ -217,6 +222,58 @@ def create_sampling_session(
     db.add(sampler)
     db.flush()
     return sampler
+
+
+def live_run_id(model_path: str) -> str | None:
+    """The training run a `live:<run id>` (or `tinker://live:<run id>`) model path names; None
+    for any other path."""
+    model_path = model_path.removeprefix("tinker://")
+    if not model_path.startswith(LIVE_PREFIX):
+        return None
+    run_id = model_path.removeprefix(LIVE_PREFIX)
+    if not run_id:
+        raise InvalidInput(
+            "model path 'live:' names no training run; pass live:<training run id> (the "
+            "model_id of a training client)"
+        )
+    return run_id
+
+
+def is_live(sampler: SamplingSession) -> bool:
+    """Whether the sampling session samples its training run's current weights."""
+    return sampler.training_run_id is not None and sampler.model_version_id is None
+
+
+def live_refusal(run: TrainingRun, session_status: str | None) -> str | None:
+    """Why the run's current weights cannot be sampled (None: they can). `session_status` is
+    that of the run's own session (None: the session is gone)."""
+    if session_status != SessionStatus.ACTIVE:
+        return (
+            f"training run {run.id} no longer holds weights to sample: its session ended; "
+            "save a checkpoint while the run is live and sample that, or sample a new run"
+        )
+    if run.status in (RunStatus.UNLOADED, RunStatus.FAILED):
+        return (
+            f"training run {run.id} was {run.status} and holds no weights to sample; sample a "
+            "checkpoint it saved, or a live run"
+        )
+    return None
+
+
+def require_live(db: OrmSession, tenant_id: str, run_id: str) -> TrainingRun:
+    """The tenant's training run whose current weights can be sampled now (404 for a missing
+    or foreign run, a user error for one that ended or is still starting)."""
+    run = get_run(db, tenant_id, run_id)
+    status = db.scalar(select(Session.status).where(Session.id == run.session_id))
+    refusal = live_refusal(run, status)
+    if refusal is not None:
+        raise InvalidInput(refusal)
+    if run.status != RunStatus.ACTIVE:
+        raise InvalidInput(
+            f"training run {run.id} is still starting (its create_model or load has not "
+            "finished); wait for it, then sample it live"
+        )
+    return run
 
 
 def get_sampling_session(db: OrmSession, tenant_id: str, sampler_id: str) -> SamplingSession:

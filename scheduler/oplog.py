@@ -70,6 +70,8 @@ class Ready:
     op: Operation
     base_model: str
     sampler_version_id: str | None = None
+    live_run_id: str | None = None
+    """Of a sample on a live sampler: the training run whose current weights it samples."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ReadyQueries:
     op, and building its statements costs more than running them."""
 
     training: Select[Operation, str]
-    samples: Select[Operation, str, str | None]
+    samples: Select[Operation, str, str | None, str | None]
 
     @classmethod
     def build(cls, worker_id: str | None, max_samples: int) -> ReadyQueries:
@@ -102,14 +104,27 @@ class ReadyQueries:
                 *((TrainingRun.worker_id == worker_id,) if worker_id is not None else ()),
             )
         )
-        # The oldest sampling requests first.
+        # The oldest sampling requests first. A live sampler's requests run wherever its
+        # training run is now (they follow it when it moves), beside the run's training ops.
+        live = aliased(TrainingRun)
+        placed_here = or_(
+            and_(live.id.is_(None), SamplingSession.worker_id == worker_id),
+            live.worker_id == worker_id,
+        )
         samples = (
-            select(Operation, SamplingSession.base_model, SamplingSession.model_version_id)
+            select(Operation, SamplingSession.base_model, SamplingSession.model_version_id, live.id)
             .join(SamplingSession, SamplingSession.id == Operation.target_id)
+            .outerjoin(
+                live,
+                and_(
+                    live.id == SamplingSession.training_run_id,
+                    SamplingSession.model_version_id.is_(None),
+                ),
+            )
             .where(
                 Operation.status == OpStatus.QUEUED,
                 Operation.kind == OpKind.SAMPLE.value,
-                *((SamplingSession.worker_id == worker_id,) if worker_id is not None else ()),
+                *((placed_here,) if worker_id is not None else ()),
             )
             .order_by(Operation.created_at)
             .limit(max_samples)
@@ -133,7 +148,10 @@ def claim(
     (interrupted `max_attempts` times). An op interrupted before runs alone: if it is what
     brings a worker down, it takes nobody else with it."""
     ready = [Ready(op, base) for op, base in db.execute(queries.training)]
-    ready += [Ready(op, base, version) for op, base, version in db.execute(queries.samples)]
+    ready += [
+        Ready(op, base, version, live_run)
+        for op, base, version, live_run in db.execute(queries.samples)
+    ]
     given_up = [r.op for r in ready if r.op.attempts >= max_attempts]
     for op in given_up:
         give_up(db, op, now)

@@ -2,7 +2,8 @@
 
 A target goes to a live worker (lease not expired) that serves its base model, preferring the
 one holding the fewest active runs. A nameless sampler snapshot goes where its training run is,
-when that worker is alive. Nothing here talks to workers; the dispatcher does.
+when that worker is alive; a live sampler (`live:<run>`, the run's current weights) always goes
+where its run is, placing the run first when no live worker holds it. Nothing here talks to workers; the dispatcher does.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def place(db: OrmSession, settings: Settings, now: datetime, target_id: str) -> 
     sampler = db.get(SamplingSession, target_id)
     if sampler is None:
         return None
+    if runs.is_live(sampler):
+        assert sampler.training_run_id is not None
+        runs.assign_worker(sampler, place(db, settings, now, sampler.training_run_id))
+        return sampler.worker_id
     if sampler.worker_id is None or not workers.is_alive(db, sampler.worker_id, now):
         prefer = None
         if sampler.training_run_id is not None:

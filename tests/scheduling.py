@@ -146,8 +146,8 @@ class Rows:
         training_run_id: str | None = None,
         seq: int = 0,
     ) -> str:
-        """A sampling session (of the base model's weights; `training_run_id` links it to the
-        run it was made from, as a nameless sampler of a training client is)."""
+        """A sampling session of the base model's weights, or with `training_run_id` a live one
+        (`live:<run>`: the run's current weights)."""
         session_id = self.session(tenant_id)
         with self.database.transaction() as db:
             return runs.create_sampling_session(

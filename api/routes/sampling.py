@@ -1,4 +1,5 @@
-"""Sampling endpoints: sampling sessions on a base model or saved weights, and asample."""
+"""Sampling endpoints: sampling sessions on a base model, saved weights or a live training run's
+current weights, and asample."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses
-from api.submission import check_base_model, in_submission, require_session
+from api.submission import check_base_model, in_submission, open_live_sampler, require_session
 from billing import estimate
 from billing.estimate import Estimate
 from core import checkpoints, runs
@@ -43,10 +44,21 @@ def create_sampling_session(
     if (body.base_model is None) == (body.model_path is None):
         raise InvalidInput(
             "pass exactly one of base_model (sample the base model) or model_path (a tinker:// "
-            "checkpoint or a registry reference, package@alias or package:version, to sample "
-            "from)"
+            "checkpoint, a registry reference, package@alias or package:version, or "
+            "live:<training run id> for a run's current weights, to sample from)"
         )
     with state.database.transaction() as db:
+        live_run = None if body.model_path is None else runs.live_run_id(body.model_path)
+        if live_run is not None:
+            sampler = open_live_sampler(
+                db,
+                state,
+                principal,
+                session_id=body.session_id,
+                seq=body.sampling_session_seq_id,
+                run_id=live_run,
+            )
+            return CreateSamplingSessionResponse(sampling_session_id=sampler.id)
         require_session(db, state, principal, body.session_id)
         version_id, run_id = None, None
         if body.model_path is not None:
@@ -124,6 +136,11 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
                 state.clock,
                 sampler.model_path,
             )
+        elif runs.is_live(sampler):
+            # The run's weights live only while its session does: refuse once it ended, and
+            # the worker checks again before sampling.
+            assert sampler.training_run_id is not None
+            runs.require_live(db, principal.tenant_id, sampler.training_run_id)
         queued = oplog.queued_samples(db)
         if queued >= state.settings.max_queued_samples:
             # Backpressure: the tinker SDK waits and resubmits the same seq_id.

@@ -31,6 +31,8 @@ class Task:
     api_key_id: str | None = None
     """The API key that submitted the op (None for ops submitted before keys were recorded)."""
     sampler_version_id: str | None = None
+    live_run_id: str | None = None
+    """Of a sample on a live sampler: the training run whose current weights it samples."""
     failed_gradients: tuple[FailedForwardBackward, ...] | None = None
     """Of an optim_step: the failed forward_backward ops in its window, when looked up as it
     was claimed (None: not looked up)."""
@@ -42,6 +44,7 @@ class Task:
         base_model: str,
         sampler_version_id: str | None = None,
         failed_gradients: tuple[FailedForwardBackward, ...] | None = None,
+        live_run_id: str | None = None,
     ) -> Task:
         return cls(
             id=op.id,
@@ -55,5 +58,6 @@ class Task:
             base_model=base_model,
             api_key_id=op.api_key_id,
             sampler_version_id=sampler_version_id,
+            live_run_id=live_run_id,
             failed_gradients=failed_gradients,
         )

@@ -19,7 +19,14 @@ from core.clock import Clock
 from core.db import Database
 from core.errors import ErrorCode, NotFound
 from core.objectstore import ArtifactStore
-from core.tables import ModelVersion, Operation, OpStatus, SamplingSession, TrainingRun
+from core.tables import (
+    ModelVersion,
+    Operation,
+    OpStatus,
+    SamplingSession,
+    Session,
+    TrainingRun,
+)
 from gpu_worker import protocol as ep
 from scheduler import convert, fb_proto
 from scheduler.failures import OpFailure, Refused
@@ -171,7 +178,11 @@ class Executor:
 
     # --- sampling, batched across requests and adapters ---------------------------------
 
-    def sample(self, tasks: list[Task]) -> dict[str, Outcome]:
+    def sample(
+        self, tasks: list[Task], restore: Callable[[str], Outcome | None] | None = None
+    ) -> dict[str, Outcome]:
+        """Sample `tasks` in one batch. `restore` brings a live sample's training run into the
+        engine when it is not there (the host's recovery); without it such a sample fails."""
         outcomes: dict[str, Outcome] = {}
         prepared: list[tuple[Task, SampleRequest, ep.SampleRequest]] = []
         revoked = self._revoked(tasks)
@@ -179,6 +190,11 @@ class Executor:
             try:
                 if task.id in revoked:
                     raise Refused(revoked[task.id])
+                if task.live_run_id is not None and restore is not None:
+                    lost = restore(task.live_run_id)
+                    if lost is not None:
+                        outcomes[task.id] = lost
+                        continue
                 wire = SampleRequest.model_validate_json(
                     decode_payload(task.payload, task.payload_codec)
                 )
@@ -216,16 +232,23 @@ class Executor:
         return outcomes
 
     def _revoked(self, tasks: list[Task]) -> dict[str, OpFailure]:
-        """Why each sample on saved weights may no longer run, by task id (one read per batch).
+        """Why each sample on saved weights or a live run may no longer run, by task id (one
+        or two reads per batch).
 
         The API checked access when it accepted the request, but the checkpoint may have been
-        deleted or unpublished since, and weights already loaded here must not outlive that.
+        deleted or unpublished since, and weights already loaded here must not outlive that; a
+        live run may have been unloaded, or its session ended, since.
         """
         on_weights = {t.target_id for t in tasks if t.sampler_version_id is not None}
-        if not on_weights:
+        live_runs = {t.live_run_id for t in tasks if t.live_run_id is not None}
+        if not on_weights and not live_runs:
             return {}
         revoked: dict[str, OpFailure] = {}
         with self.database.reader() as db:
+            if live_runs:
+                revoked.update(_live_refusals(db, tasks, live_runs))
+            if not on_weights:
+                return revoked
             rows = db.execute(
                 select(SamplingSession.id, SamplingSession.model_path, ModelVersion)
                 .outerjoin(ModelVersion, ModelVersion.id == SamplingSession.model_version_id)
@@ -243,7 +266,10 @@ class Executor:
         return revoked
 
     def _sampler_run(self, task: Task) -> str | None:
-        """The engine run holding the sampler's weights, loaded on first use; None = base model."""
+        """The engine run holding the sampler's weights, loaded on first use (a live sampler's:
+        its training run's); None = base model."""
+        if task.live_run_id is not None:
+            return task.live_run_id
         if task.sampler_version_id is None:
             return None
         run_id = f"sampler:{task.sampler_version_id}"
@@ -501,6 +527,30 @@ def _forward_only(payload: bytes, codec: str, max_body_bytes: int) -> bool:
         return _stored_forward_backward(payload, codec, max_body_bytes).forward_only
     except Exception:
         return False
+
+
+def _live_refusals(db: OrmSession, tasks: list[Task], run_ids: set[str]) -> dict[str, OpFailure]:
+    """Why each live sample may no longer run, by task id: its run ended (unloaded, failed,
+    its session ended) since the API accepted the request."""
+    rows = db.execute(
+        select(TrainingRun, Session.status)
+        .outerjoin(Session, Session.id == TrainingRun.session_id)
+        .where(TrainingRun.id.in_(run_ids))
+    ).all()
+    found = {run.id: (run, status) for run, status in rows}
+    refused: dict[str, OpFailure] = {}
+    for task in tasks:
+        if task.live_run_id is None:
+            continue
+        run, status = found.get(task.live_run_id, (None, None))
+        reason = (
+            f"training run {task.live_run_id} no longer exists; sample a live run"
+            if run is None
+            else runs.live_refusal(run, status)
+        )
+        if reason is not None:
+            refused[task.id] = OpFailure.user(reason)
+    return refused
 
 
 def _count_tokens(run_id: str, tokens: int) -> Callable[[OrmSession], None]:

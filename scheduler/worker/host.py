@@ -304,7 +304,10 @@ class WorkerHost:
         for task in training:
             if task.kind is not OpKind.FORWARD_BACKWARD:
                 outcomes[task.id] = self.executor.run(task)
-        outcomes.update(self.executor.sample([t for t in tasks if t.kind is OpKind.SAMPLE]))
+        # A live sample needs its run here (after a restart or a failover its training ops may
+        # not have restored it yet); the run's own ops of this step ran just above.
+        samples = [t for t in tasks if t.kind is OpKind.SAMPLE]
+        outcomes.update(self.executor.sample(samples, restore=self._restore))
         for task in tasks:
             due = self._record(task, outcomes[task.id])
             if due is not None:
@@ -334,17 +337,24 @@ class WorkerHost:
 
     def _ensure_loaded(self, task: Task) -> Outcome | None:
         """Restore a run this engine does not hold; a failure outcome if that is impossible."""
-        if task.seq_id == 0 or task.target_id in self.engine.run_ids():
+        if task.seq_id == 0:
+            return None
+        return self._restore(task.target_id)
+
+    def _restore(self, run_id: str) -> Outcome | None:
+        """Restore training run `run_id` unless this engine holds it; a failure outcome if that
+        is impossible."""
+        if run_id in self.engine.run_ids():
             return None
         try:
-            restore_run(self.engine, self.store, self.database, self.executor, task.target_id)
+            restore_run(self.engine, self.store, self.database, self.executor, run_id)
         except RestoreImpossible as exc:
             return Outcome.failed(OpFailure.server(str(exc)))
         except Exception as exc:
-            log.exception("restoring %s failed", task.target_id)
+            log.exception("restoring %s failed", run_id)
             return Outcome.failed(
                 OpFailure.server(
-                    f"restoring training run {task.target_id} failed ({exc}); "
+                    f"restoring training run {run_id} failed ({exc}); "
                     "create a new training client from your last checkpoint"
                 )
             )
@@ -392,7 +402,9 @@ class WorkerHost:
                     failed = failed_forward_backwards(
                         db, r.op.target_id, r.op.seq_id, self.executor.max_request_bytes
                     )
-                tasks.append(Task.of(r.op, r.base_model, r.sampler_version_id, failed))
+                tasks.append(
+                    Task.of(r.op, r.base_model, r.sampler_version_id, failed, r.live_run_id)
+                )
         for op in given_up:
             self.notifier.publish(op.id)
         return tasks, len(given_up)

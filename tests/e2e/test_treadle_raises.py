@@ -37,6 +37,10 @@ UNTRIGGERABLE = {
     "by the connection tests",
     ("RestClient.end_session", "APIConnectionError"): "covered with a closed port by the "
     "connection tests",
+    ("TrainingClient.live_sampling_client", "BadRequestError"): "needs the run's session "
+    "ended; covered by tests/e2e/test_live_sampling.py",
+    ("ServiceClient.create_sampling_client", "BadRequestError"): "needs a live run whose "
+    "session ended; covered by tests/e2e/test_live_sampling.py",
 }
 
 
@@ -133,6 +137,15 @@ def _damaged_part(w: World) -> None:
         w.rest.download_checkpoint(w.weights, folder).result(timeout=60)
 
 
+def _live_of_missing_run(w: World) -> None:
+    """A training client whose run id names no run (as one of another tenant looks)."""
+    import copy
+
+    ghost = copy.copy(w.trainer)
+    ghost.model_id = f"{w.trainer.model_id}-gone"
+    ghost.live_sampling_client()
+
+
 Trigger = Callable[[World], Any]
 LONG_PROMPT = types.ModelInput.from_ints([1] * 5000)
 
@@ -199,6 +212,7 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("TrainingClient.create_sampling_client", "InvalidArgumentError"): lambda w: (
         w.trainer.create_sampling_client("sampler_weights/kept")
     ),
+    ("TrainingClient.live_sampling_client", "NotFoundError"): _live_of_missing_run,
     ("TrainingClient.create_sampling_client", "NotFoundError"): lambda w: (
         w.trainer.create_sampling_client(w.missing("sampler_weights"))
     ),

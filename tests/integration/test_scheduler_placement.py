@@ -132,7 +132,7 @@ def test_nothing_is_placed_while_no_live_worker_serves_the_model(
     assert _place(rows, settings, run) == "w-c"  # it waited, and now goes
 
 
-def test_a_nameless_sampler_goes_where_its_training_run_is_while_that_worker_lives(
+def test_a_live_sampler_goes_where_its_training_run_is_and_follows_it(
     rows: Rows, settings: Settings
 ) -> None:
     tenant = rows.tenant()
@@ -140,18 +140,19 @@ def test_a_nameless_sampler_goes_where_its_training_run_is_while_that_worker_liv
     run = rows.run(tenant)
     assert [_place(rows, settings, r) for r in (run, rows.run(tenant))] == ["w-a", "w-a"]
     rows.worker("w-b", [MODEL])  # the least loaded from here on
-    with_run = rows.sampler(tenant, training_run_id=run)
+    live = rows.sampler(tenant, training_run_id=run)
     plain = rows.sampler(tenant)
-    assert _place(rows, settings, with_run) == "w-a"
+    assert _place(rows, settings, live) == "w-a"
     assert _place(rows, settings, plain) == "w-b"
 
     rows.clock.advance(LEASE + 1)
     rows.worker("w-c", [MODEL])  # w-a and w-b lapse; w-c is the only live worker
-    late = rows.sampler(tenant, training_run_id=run, seq=1)
-    # The run's worker is gone: its samplers go to a live one, the run's own placement aside.
-    assert _place(rows, settings, late) == "w-c"
-    assert _place(rows, settings, with_run) == "w-c"
-    assert _holder(rows, run) == "w-a"  # only the run's own next op moves it
+    # The run's worker is gone: placing its live sampler places the run first, and the
+    # sampler goes with it, so that its samples run where the run's weights are.
+    assert _place(rows, settings, live) == "w-c"
+    assert _holder(rows, run) == "w-c"
+    later = rows.sampler(tenant, training_run_id=run, seq=1)
+    assert _place(rows, settings, later) == "w-c"
 
 
 def test_assign_places_inside_the_submitting_transaction(

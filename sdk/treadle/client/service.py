@@ -300,7 +300,8 @@ class ServiceClient:
         Args:
             model_path: saved weights (first, as in tinker's SDK): a
                 `tinker://.../sampler_weights/...` checkpoint, or a registry reference
-                (`package@alias`, `package:version`).
+                (`package@alias`, `package:version`); or `live:<training run id>` for a
+                training run's current weights (`TrainingClient.live_sampling_client`).
             base_model: a model from `get_server_capabilities()`.
 
         Returns:
@@ -309,7 +310,9 @@ class ServiceClient:
         Raises:
             InvalidArgumentError: neither or both of base_model and model_path were given, or
                 model_path is neither a `tinker://` path nor a registry reference.
-            NotFoundError: the checkpoint does not exist (or is not yours).
+            BadRequestError: model_path names a live run that was unloaded or whose session
+                ended.
+            NotFoundError: the checkpoint or live run does not exist (or is not yours).
         """
         return self._conn.run(open_sampling_client(self._session, base_model, model_path))
 

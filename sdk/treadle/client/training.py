@@ -347,6 +347,31 @@ class TrainingClient(ResolvedClient):
         """`create_sampling_client` for asyncio code."""
         return await self._conn.call(open_sampling_client(self._session, None, model_path))
 
+    def live_sampling_client(self) -> SamplingClient:
+        """A SamplingClient on this run's current weights (`live:<model_id>`), saving nothing.
+
+        Each sample uses the adapter as the run's last executed optim_step left it, so later
+        steps change what it samples; it runs beside the run's training ops, never delaying
+        them. Sampling is metered as any sampling is.
+
+        Returns:
+            A SamplingClient; its `model_path` is `live:<model_id>`.
+
+        Raises:
+            BadRequestError: the run is unloaded, failed or still starting, or its session
+                ended (then sample a checkpoint it saved).
+            NotFoundError: the run no longer exists (or is not yours).
+        """
+        return self._conn.run(open_sampling_client(self._session, None, self._live_path))
+
+    async def live_sampling_client_async(self) -> SamplingClient:
+        """`live_sampling_client` for asyncio code."""
+        return await self._conn.call(open_sampling_client(self._session, None, self._live_path))
+
+    @property
+    def _live_path(self) -> str:
+        return f"live:{self.model_id}"
+
     def export(
         self, name: str, ttl_seconds: int | None = None, *, merged: bool = False
     ) -> APIFuture[SaveWeightsExternalResponse]:
