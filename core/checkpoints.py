@@ -17,13 +17,22 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, SQLColumnExpression, and_, func, or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import aliased, object_session
 
 from core import references
 from core.clock import Clock
 from core.errors import ConfigurationError, InvalidInput, NotFound
-from core.tables import ModelAlias, ModelPackage, ModelVersion, TrainingRun, VersionStatus
+from core.tables import (
+    ModelAlias,
+    ModelPackage,
+    ModelVersion,
+    Session,
+    SessionStatus,
+    TrainingRun,
+    VersionStatus,
+)
 from treadle.types.checkpoints import checkpoint_name_problem
 
 # A tinker path's segment names the kind of save that made it; `external` (what the tinker
@@ -77,11 +86,21 @@ def check_ttl(ttl_seconds: int | None) -> int | None:
 
 
 def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPackage:
-    query = select(ModelPackage).where(
-        ModelPackage.training_run_id == run.id, ModelPackage.deleted_at.is_(None)
+    """The run's live package, locked; made on its first save.
+
+    Two first saves (or a save and `registry.create_package(training_run_id=…)`) may race: the
+    partial unique index on a live package's `training_run_id` (or on its name) refuses the
+    second insert, which then takes the package the first one made.
+    """
+    query = (
+        select(ModelPackage)
+        .where(ModelPackage.training_run_id == run.id, ModelPackage.deleted_at.is_(None))
+        .with_for_update()
     )
-    package = db.scalar(query.with_for_update())
-    if package is None:
+    for _ in range(3):
+        package = db.scalar(query)
+        if package is not None:
+            return package
         package = ModelPackage(
             id="pkg_" + uuid.uuid4().hex[:16],
             tenant_id=run.tenant_id,
@@ -91,10 +110,16 @@ def _package_for_run(db: OrmSession, clock: Clock, run: TrainingRun) -> ModelPac
             created_at=clock.now(),
             updated_at=clock.now(),
         )
-        db.add(package)
-        db.flush()
-        package = db.scalar(query.with_for_update()) or package
-    return package
+        try:
+            with db.begin_nested():
+                db.add(package)
+        except IntegrityError:
+            continue  # taken meanwhile (the run's package, or the name): read again
+        return db.scalar(query) or package
+    raise ConfigurationError(
+        f"could not create the package of training run {run.id}: other requests kept taking "
+        "its name; save again"
+    )
 
 
 def _free_package_name(db: OrmSession, tenant_id: str, wanted: str) -> str:
@@ -233,14 +258,18 @@ def begin_upload(
     artifact collector finds (failed, or pending past the grace period) instead of unnamed
     objects. It has no tinker path and no alias points at it until `register(pending=…)` makes
     it ready. A save run again (a redelivered op writes the same URI) gets the same version.
-    A name already taken is refused here, before anything is uploaded.
+    A name already taken, or one an alias points at when overwriting, is refused here, before
+    anything is uploaded.
     """
-    if name is not None and not overwrite:
+    if name is not None:
         path = tinker_path(run.id, kind, check_name(name))
-        if find_by_path(db, path) is not None:
+        existing = find_by_path(db, path)
+        if existing is not None and not overwrite:
             raise InvalidInput(
                 f"checkpoint {path} already exists; pick another name or pass overwrite=True"
             )
+        if existing is not None:
+            require_unaliased(db, existing, "overwrite")
     again = db.scalar(
         select(ModelVersion).where(
             ModelVersion.artifact_uri == artifact_uri, ModelVersion.status == VersionStatus.PENDING
@@ -292,8 +321,13 @@ def fail_stale_uploads(db: OrmSession, clock: Clock, grace: timedelta) -> int:
 
 
 def _pending_upload(db: OrmSession, version_id: str, artifact_uri: str) -> ModelVersion:
-    held = db.get(ModelVersion, version_id, with_for_update=True)
-    if held is None or held.status != VersionStatus.PENDING or held.artifact_uri != artifact_uri:
+    held = db.get(ModelVersion, version_id, with_for_update=True, populate_existing=True)
+    if held is None or held.status == VersionStatus.DELETED:
+        raise NotFound(
+            f"the version the save to {artifact_uri} was uploading into was deleted meanwhile; "
+            "save again"
+        )
+    if held.status != VersionStatus.PENDING or held.artifact_uri != artifact_uri:
         raise ConfigurationError(
             f"the upload of {artifact_uri} took longer than the artifact store's grace period "
             "and was given up; raise TREADLE_ARTIFACT_PENDING_GRACE_SECONDS, then save again"
@@ -312,7 +346,7 @@ def resolve(db: OrmSession, clock: Clock, tenant_id: str, path: str) -> ModelVer
     `core.references`); a reference names only the tenant's own packages.
     """
     if references.is_reference(path):
-        named = references.lookup(db, tenant_id, path)
+        named = references.lookup(db, tenant_id, path, clock.now())
         if (
             named.status != VersionStatus.READY
             or named.artifact_uri is None
@@ -337,6 +371,8 @@ def resolve(db: OrmSession, clock: Clock, tenant_id: str, path: str) -> ModelVer
 def _unusable(version: ModelVersion, clock: Clock) -> str:
     if version.status == VersionStatus.READY and _expired(version, clock.now()):
         return "expired"
+    if version.status == VersionStatus.READY:
+        return "without files"
     return {VersionStatus.PENDING: "still uploading", VersionStatus.FAILED: "a failed save"}.get(
         VersionStatus(version.status), "deleted"
     )
@@ -398,7 +434,27 @@ def latest_of_kind(db: OrmSession, run_id: str, kind: str) -> ModelVersion | Non
 
 
 def require_unaliased(db: OrmSession, version: ModelVersion, verb: str) -> None:
-    """Refuse to retire a version an alias points at: an alias never names a deleted version."""
+    """Refuse to retire a version an alias points at: an alias never names a deleted version.
+
+    Locks the version's package row (as `registry.set_alias` does before it points an alias),
+    then the version's row (as `registry.promote` does before it shares its artifact), and
+    keeps both locks until the caller commits: an alias set or a promotion at the same moment
+    waits for the retirement and then finds the version deleted, or the retirement waits and
+    then sees the alias or the promoted copy. Packages are always locked before versions.
+    """
+    db.scalar(
+        select(ModelPackage.id).where(ModelPackage.id == version.package_id).with_for_update()
+    )
+    locked = db.scalar(
+        select(ModelVersion)
+        .where(ModelVersion.id == version.id, ModelVersion.status != VersionStatus.DELETED)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    if locked is None:
+        raise NotFound(
+            f"cannot {verb} {version.tinker_path or 'this version'}: it was deleted meanwhile"
+        )
     names = list(
         db.scalars(
             select(ModelAlias.name)
@@ -417,53 +473,74 @@ def require_unaliased(db: OrmSession, version: ModelVersion, verb: str) -> None:
 
 
 def mark_deleted(version: ModelVersion) -> str | None:
-    """Retire a version; returns its artifact URI for the caller to remove, or None when another
-    version still uses the same artifact (a promoted copy): the last one out removes it.
+    """Retire a version; returns its artifact URI for the caller to remove (and clears it), or
+    None when something else still needs the artifact: another version (a promoted copy) or a
+    run that would replay a load of it (`_needed`). The version then keeps its URI, and the
+    periodic artifact job removes the files once the last user is gone.
 
-    The URI is cleared too, so anything still holding the version (a sampling session on it)
-    learns the weights are gone instead of opening a missing folder.
+    Call `require_unaliased` first: its locks make the sharing check see a promotion committed
+    meanwhile.
     """
-    uri, version.artifact_uri = version.artifact_uri, None
+    uri = version.artifact_uri
     version.status, version.tinker_path = VersionStatus.DELETED, None
     db = object_session(version)
     if uri is not None and db is not None:
         db.flush()
-        if db.scalar(select(ModelVersion.id).where(_uses(uri)).limit(1)) is not None:
+        if db.scalar(select(_needed(uri, version.id, None))):
             return None
+    version.artifact_uri = None
     return uri
 
 
-def _uses(uri: str) -> ColumnElement[bool]:
-    """A version that still needs the artifact at `uri`: ready (expired or not) or uploading."""
-    return and_(
-        ModelVersion.artifact_uri == uri,
-        ModelVersion.status.in_((VersionStatus.READY, VersionStatus.PENDING)),
+def _needed(
+    uri: SQLColumnExpression[str | None] | str,
+    version_id: SQLColumnExpression[str] | str,
+    now: datetime | None,
+) -> ColumnElement[bool]:
+    """Whether a version other than `version_id` or a run still needs the artifact at `uri`.
+
+    A version does while it is ready (with `now`: and unexpired) or uploading. A run does while
+    its session is active and it was loaded from a version on that artifact: recovery replays
+    the load (at seq 0 for a run created from a checkpoint, later for a load_state) by opening
+    the loaded version's artifact. The run's snapshots cannot tell whether they were taken after
+    the load (the load's seq id is not kept), so the run counts as a user until its session
+    ends, and the artifact then goes with the next pass of the artifact job.
+    """
+    other = aliased(ModelVersion)
+    ready: ColumnElement[bool] = other.status.in_((VersionStatus.READY, VersionStatus.PENDING))
+    if now is not None:
+        ready = and_(ready, or_(other.expires_at.is_(None), other.expires_at > now))
+    by_version = (
+        select(other.id).where(other.artifact_uri == uri, other.id != version_id, ready).exists()
+    )
+    loaded = aliased(ModelVersion)
+    by_run = (
+        select(TrainingRun.id)
+        .join(loaded, loaded.id == TrainingRun.loaded_from_version_id)
+        .join(Session, Session.id == TrainingRun.session_id)
+        .where(loaded.artifact_uri == uri, Session.status == SessionStatus.ACTIVE)
+        .exists()
+    )
+    return or_(by_version, by_run)
+
+
+def _gone(now: datetime) -> ColumnElement[bool]:
+    return or_(
+        ModelVersion.status.in_((VersionStatus.DELETED, VersionStatus.FAILED)),
+        ModelVersion.expires_at <= now,
     )
 
 
 def collectable(db: OrmSession, clock: Clock, limit: int) -> list[ModelVersion]:
     """Up to `limit` versions whose artifact may be removed: deleted (overwritten), failed or
-    expired, with no other ready, unexpired or pending version on the same artifact."""
+    expired, with no other ready, unexpired or pending version on the same artifact and no run
+    that would replay a load of it (`_needed`)."""
     now = clock.now()
-    other = aliased(ModelVersion)
-    needed = (
-        select(other.id)
-        .where(
-            other.artifact_uri == ModelVersion.artifact_uri,
-            other.id != ModelVersion.id,
-            other.status.in_((VersionStatus.READY, VersionStatus.PENDING)),
-            or_(other.expires_at.is_(None), other.expires_at > now),
-        )
-        .exists()
-    )
-    gone = or_(
-        ModelVersion.status.in_((VersionStatus.DELETED, VersionStatus.FAILED)),
-        ModelVersion.expires_at <= now,
-    )
+    needed = _needed(ModelVersion.artifact_uri, ModelVersion.id, now)
     return list(
         db.scalars(
             select(ModelVersion)
-            .where(ModelVersion.artifact_uri.is_not(None), gone, ~needed)
+            .where(ModelVersion.artifact_uri.is_not(None), _gone(now), ~needed)
             .order_by(ModelVersion.created_at)
             .limit(limit)
             .with_for_update(of=ModelVersion, skip_locked=True)
@@ -471,10 +548,15 @@ def collectable(db: OrmSession, clock: Clock, limit: int) -> list[ModelVersion]:
     )
 
 
-def forget_artifact(version: ModelVersion, uri: str) -> None:
-    """The artifact at `uri` was removed: the version no longer names it."""
-    if version.artifact_uri == uri:
+def forget_artifact(db: OrmSession, clock: Clock, uri: str) -> int:
+    """The artifact at `uri` was removed: no deleted, failed or expired version names it any
+    more (every one of them, not only the one `collectable` picked). Returns how many did."""
+    rows = db.scalars(
+        select(ModelVersion).where(ModelVersion.artifact_uri == uri, _gone(clock.now()))
+    ).all()
+    for version in rows:
         version.artifact_uri = None
+    return len(rows)
 
 
 def set_public(version: ModelVersion, public: bool) -> None:

@@ -4,15 +4,17 @@ A package name starts with a letter or digit and goes on with letters, digits, `
 and `:` (a run's own package is named after the run, `<session>:train:<n>`), so a reference
 is split at its last `@` (an alias) or at its last `:` followed by digits (a version number).
 A bare package name is not a reference: it would read as a version of a shorter name.
-`latest` is an alias every package has, the newest ready version, kept by the registry itself.
+`latest` is an alias every package has, kept by the registry itself: the newest version that is
+ready, unexpired and still has its files.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, and_, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from core.errors import InvalidInput, NotFound
@@ -81,21 +83,31 @@ def live_package(db: OrmSession, tenant_id: str, name: str) -> ModelPackage | No
     )
 
 
-def latest_version(db: OrmSession, package_id: str) -> ModelVersion | None:
-    """The package's newest ready version: what `@latest` points at."""
+def usable(now: datetime) -> ColumnElement[bool]:
+    """A version `@latest` may name at `now`: ready, unexpired, with its files."""
+    return and_(
+        ModelVersion.status == VersionStatus.READY,
+        ModelVersion.artifact_uri.is_not(None),
+        or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > now),
+    )
+
+
+def latest_version(db: OrmSession, package_id: str, now: datetime) -> ModelVersion | None:
+    """The package's newest usable version at `now` (`usable`): what `@latest` points at."""
     return db.scalar(
         select(ModelVersion)
-        .where(ModelVersion.package_id == package_id, ModelVersion.status == VersionStatus.READY)
+        .where(ModelVersion.package_id == package_id, usable(now))
         .order_by(ModelVersion.version.desc())
         .limit(1)
     )
 
 
-def lookup(db: OrmSession, tenant_id: str, reference: str) -> ModelVersion:
+def lookup(db: OrmSession, tenant_id: str, reference: str, now: datetime) -> ModelVersion:
     """The version `reference` names among `tenant_id`'s packages (any status but deleted).
 
     Another tenant's package answers exactly like a missing one. Whether the version may be
-    used (ready, not expired) is the caller's check, with its own message.
+    used (ready, not expired) is the caller's check, with its own message; `@latest` names
+    the newest usable one at `now`.
     """
     ref = parse(reference)
     package = live_package(db, tenant_id, ref.package)
@@ -113,7 +125,7 @@ def lookup(db: OrmSession, tenant_id: str, reference: str) -> ModelVersion:
             )
         )
     elif ref.alias == LATEST:
-        version = latest_version(db, package.id)
+        version = latest_version(db, package.id, now)
     else:
         version = db.scalar(
             select(ModelVersion)

@@ -94,9 +94,29 @@ def list_packages(
 def _require_free_name(db: OrmSession, tenant_id: str, name: str) -> None:
     references.check_package_name(name)
     if references.live_package(db, tenant_id, name) is not None:
-        raise InvalidInput(
-            f"package name {name!r} is taken; pick another name, or rename or delete that package"
+        raise _name_taken(name)
+
+
+def _name_taken(name: str) -> InvalidInput:
+    return InvalidInput(
+        f"package name {name!r} is taken; pick another name, or rename or delete that package"
+    )
+
+
+def _run_package(db: OrmSession, run_id: str) -> str | None:
+    """The name of the live package `run_id` saves into, if it has one."""
+    return db.scalar(
+        select(ModelPackage.name).where(
+            ModelPackage.training_run_id == run_id, ModelPackage.deleted_at.is_(None)
         )
+    )
+
+
+def _run_has_package(run_id: str, current: str) -> InvalidInput:
+    return InvalidInput(
+        f"training run {run_id} already saves into package {current!r}; rename that "
+        "package instead, or create this one without training_run_id"
+    )
 
 
 def create_package(
@@ -116,16 +136,9 @@ def create_package(
     tags = check_tags(tags)
     if training_run_id is not None:
         run = runs.get_run(db, tenant_id, training_run_id)
-        current = db.scalar(
-            select(ModelPackage.name).where(
-                ModelPackage.training_run_id == run.id, ModelPackage.deleted_at.is_(None)
-            )
-        )
+        current = _run_package(db, run.id)
         if current is not None:
-            raise InvalidInput(
-                f"training run {run.id} already saves into package {current!r}; rename that "
-                "package instead, or create this one without training_run_id"
-            )
+            raise _run_has_package(run.id, current)
         if base_model is not None and base_model != run.base_model:
             raise InvalidInput(
                 f"base_model {base_model!r} differs from the run's {run.base_model!r}; omit "
@@ -146,20 +159,24 @@ def create_package(
         created_at=now,
         updated_at=now,
     )
-    db.add(package)
-    _flush_name(db, name)
+    _flush_name(db, name, package)
     return package
 
 
-def _flush_name(db: OrmSession, name: str) -> None:
-    """Flush a new or renamed package; a concurrent request that took the name first fails the
-    partial unique index, which is the same refusal as a name found taken."""
+def _flush_name(db: OrmSession, name: str, new: ModelPackage | None = None) -> None:
+    """Flush a new (`new`) or renamed package, in a savepoint. A concurrent request that took
+    the name first, or gave the run a package first (a first save of the run), fails a partial
+    unique index: the same refusal as a name or run package found taken."""
     try:
-        db.flush()
+        with db.begin_nested():
+            if new is not None:
+                db.add(new)
     except IntegrityError as exc:
-        raise InvalidInput(
-            f"package name {name!r} is taken; pick another name, or rename or delete that package"
-        ) from exc
+        run_id = new.training_run_id if new is not None else None
+        current = _run_package(db, run_id) if run_id is not None else None
+        if run_id is not None and current is not None:
+            raise _run_has_package(run_id, current) from exc
+        raise _name_taken(name) from exc
 
 
 def update_package(
@@ -190,7 +207,8 @@ def update_package(
 
 
 def delete_package(db: OrmSession, clock: Clock, tenant_id: str, name: str) -> ModelPackage:
-    """Delete a package and its versions, freeing its name; refused while aliases remain."""
+    """Delete a package and its versions, freeing its name; refused while aliases remain or a
+    version is still uploading."""
     package = get_package(db, tenant_id, name, lock=True)
     aliases = list(
         db.scalars(
@@ -204,11 +222,19 @@ def delete_package(db: OrmSession, clock: Clock, tenant_id: str, name: str) -> M
             f"package {name!r} still has aliases {', '.join(aliases)}; delete them first "
             f"(`treadle registry unalias {name} <alias>`)"
         )
-    for version in db.scalars(
-        select(ModelVersion).where(
-            ModelVersion.package_id == package.id, ModelVersion.status != VersionStatus.DELETED
+    versions = db.scalars(
+        select(ModelVersion)
+        .where(ModelVersion.package_id == package.id, ModelVersion.status != VersionStatus.DELETED)
+        .order_by(ModelVersion.version)
+        .with_for_update()
+    ).all()
+    uploading = [v.version for v in versions if v.status == VersionStatus.PENDING]
+    if uploading:
+        raise InvalidInput(
+            f"package {name!r} has versions still uploading ({', '.join(map(str, uploading))}); "
+            "retry once they are ready or failed"
         )
-    ):
+    for version in versions:
         checkpoints.retire(version)
     now = clock.now()
     package.deleted_at, package.updated_at = now, now
@@ -216,27 +242,31 @@ def delete_package(db: OrmSession, clock: Clock, tenant_id: str, name: str) -> M
     return package
 
 
-def version_counts(db: OrmSession, package_ids: list[str]) -> dict[str, tuple[int, int | None]]:
-    """(live versions, newest ready version number) per package id."""
-    rows = db.execute(
-        select(
-            ModelVersion.package_id,
-            ModelVersion.status,
-            func.count(),
-            func.max(ModelVersion.version),
+def version_counts(
+    db: OrmSession, package_ids: list[str], now: datetime
+) -> dict[str, tuple[int, int | None]]:
+    """(versions not deleted, the number `@latest` names: see `references.latest_version`)
+    per package id."""
+    live: dict[str, int] = {
+        package_id: count
+        for package_id, count in db.execute(
+            select(ModelVersion.package_id, func.count())
+            .where(
+                ModelVersion.package_id.in_(package_ids),
+                ModelVersion.status != VersionStatus.DELETED,
+            )
+            .group_by(ModelVersion.package_id)
         )
-        .where(ModelVersion.package_id.in_(package_ids))
-        .group_by(ModelVersion.package_id, ModelVersion.status)
-    )
-    counts: dict[str, tuple[int, int | None]] = {pid: (0, None) for pid in package_ids}
-    for package_id, status, count, newest in rows:
-        live, latest = counts[package_id]
-        if status != VersionStatus.DELETED:
-            live += count
-        if status == VersionStatus.READY:
-            latest = newest
-        counts[package_id] = (live, latest)
-    return counts
+    }
+    latest: dict[str, int] = {
+        package_id: newest
+        for package_id, newest in db.execute(
+            select(ModelVersion.package_id, func.max(ModelVersion.version))
+            .where(ModelVersion.package_id.in_(package_ids), references.usable(now))
+            .group_by(ModelVersion.package_id)
+        )
+    }
+    return {pid: (live.get(pid, 0), latest.get(pid)) for pid in package_ids}
 
 
 # --- versions ---------------------------------------------------------------------------------
@@ -282,11 +312,15 @@ def get_version(
         )
     )
     if version is None:
-        raise NotFound(
-            f"version {number} of package {name!r} not found; list its versions with "
-            f"`treadle registry versions {name}`"
-        )
+        raise _version_not_found(name, number)
     return version
+
+
+def _version_not_found(name: str, number: int) -> NotFound:
+    return NotFound(
+        f"version {number} of package {name!r} not found; list its versions with "
+        f"`treadle registry versions {name}`"
+    )
 
 
 def _require_usable(version: ModelVersion, clock: Clock, what: str, verb: str) -> None:
@@ -301,9 +335,14 @@ def _require_usable(version: ModelVersion, clock: Clock, what: str, verb: str) -
 
 
 def delete_version(db: OrmSession, tenant_id: str, name: str, number: int) -> ModelVersion:
-    """Retire a version (its tinker path is free again); refused while an alias points at it."""
+    """Retire a version (its tinker path is free again); refused while an alias points at it
+    or it is still uploading."""
     version = get_version(db, tenant_id, name, number, lock=True)
     checkpoints.require_unaliased(db, version, "delete")
+    if version.status == VersionStatus.PENDING:
+        raise InvalidInput(
+            f"version {number} of {name!r} is still uploading; retry once it is ready or failed"
+        )
     checkpoints.retire(version)
     db.flush()
     return version
@@ -312,7 +351,9 @@ def delete_version(db: OrmSession, tenant_id: str, name: str, number: int) -> Mo
 def set_version_ttl(
     db: OrmSession, clock: Clock, tenant_id: str, name: str, number: int, ttl_seconds: int | None
 ) -> ModelVersion:
-    version = get_version(db, tenant_id, name, number)
+    version = get_version(db, tenant_id, name, number, lock=True)
+    # An expired version's files may already be collected: a new TTL must not revive it.
+    _require_usable(version, clock, f"version {number} of {name!r}", "set the TTL of")
     checkpoints.set_ttl(version, clock, ttl_seconds)
     db.flush()
     return version
@@ -329,13 +370,29 @@ def promote(
     actor_key_id: str | None,
 ) -> ModelVersion:
     """A new version of package `target` sharing version `number`'s artifact (nothing is
-    copied), numbered next in `target` under its row lock."""
-    source = get_version(db, tenant_id, name, number)
-    _require_usable(source, clock, f"version {number} of {name!r}", "promote")
-    source_package = get_package(db, tenant_id, name)
+    copied), numbered next in `target` under its row lock.
+
+    The source version's row is locked too (after the target package: packages are always
+    locked before versions), so a concurrent deletion of it either waits and then sees the new
+    copy sharing the artifact, or commits first and this finds the version gone.
+    """
     if target == name:
         raise InvalidInput(f"version {number} is already in {name!r}; name another package")
     destination = get_package(db, tenant_id, target, lock=True)
+    source_package = get_package(db, tenant_id, name)
+    source = db.scalar(
+        select(ModelVersion)
+        .where(
+            ModelVersion.package_id == source_package.id,
+            ModelVersion.version == number,
+            ModelVersion.status != VersionStatus.DELETED,
+        )
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    if source is None:
+        raise _version_not_found(name, number)
+    _require_usable(source, clock, f"version {number} of {name!r}", "promote")
     base_model = source.base_model or source_package.base_model
     if base_model != destination.base_model:
         raise InvalidInput(
@@ -364,10 +421,10 @@ def promote(
 # --- aliases ----------------------------------------------------------------------------------
 
 
-def list_aliases(db: OrmSession, tenant_id: str, name: str) -> list[AliasEntry]:
+def list_aliases(db: OrmSession, clock: Clock, tenant_id: str, name: str) -> list[AliasEntry]:
     package = get_package(db, tenant_id, name)
     entries = []
-    latest = references.latest_version(db, package.id)
+    latest = references.latest_version(db, package.id, clock.now())
     if latest is not None:
         entries.append(AliasEntry(references.LATEST, latest.version, True, None))
     rows = db.execute(
@@ -384,7 +441,8 @@ def _check_settable(alias: str) -> str:
     references.check_alias_name(alias)
     if alias == references.LATEST:
         raise InvalidInput(
-            "alias 'latest' is kept by the registry (the newest ready version); pick another name"
+            "alias 'latest' is kept by the registry itself (it always names the newest ready "
+            "version) and cannot be set or deleted; name another alias"
         )
     return alias
 
@@ -467,22 +525,37 @@ def _audit(
 # --- what views show --------------------------------------------------------------------------
 
 
-def version_refs(db: OrmSession, version_ids: set[str]) -> dict[str, str]:
-    """`<package>:<number>` of each version id (for parent and source versions)."""
+def version_refs(db: OrmSession, tenant_id: str, version_ids: set[str]) -> dict[str, str]:
+    """How to name each version id (parent and source versions) to `tenant_id`: its own as
+    `<package>:<number>`; another tenant's (a run loaded from a published checkpoint) by its
+    tinker path while it is published and has one, else not at all: another tenant's package
+    names are never shown."""
     if not version_ids:
         return {}
-    rows = db.execute(
+    ids = sorted(version_ids)
+    own = db.execute(
         select(ModelVersion.id, ModelPackage.name, ModelVersion.version)
         .join(ModelPackage, ModelPackage.id == ModelVersion.package_id)
-        .where(ModelVersion.id.in_(sorted(version_ids)))
+        .where(ModelVersion.id.in_(ids), ModelVersion.tenant_id == tenant_id)
     )
-    return {version_id: f"{name}:{number}" for version_id, name, number in rows}
+    refs = {version_id: f"{name}:{number}" for version_id, name, number in own}
+    published = db.execute(
+        select(ModelVersion.id, ModelVersion.tinker_path).where(
+            ModelVersion.id.in_(ids),
+            ModelVersion.tenant_id != tenant_id,
+            ModelVersion.public.is_(True),
+            ModelVersion.status == VersionStatus.READY,
+            ModelVersion.tinker_path.is_not(None),
+        )
+    )
+    refs.update({version_id: path for version_id, path in published if path is not None})
+    return refs
 
 
-def aliases_by_version(db: OrmSession, package_id: str) -> dict[str, list[str]]:
+def aliases_by_version(db: OrmSession, clock: Clock, package_id: str) -> dict[str, list[str]]:
     """The package's aliases per version id, `latest` first where it points."""
     found: dict[str, list[str]] = {}
-    latest = references.latest_version(db, package_id)
+    latest = references.latest_version(db, package_id, clock.now())
     if latest is not None:
         found[latest.id] = [references.LATEST]
     for name, version_id in db.execute(

@@ -6,7 +6,8 @@ A periodic job, run by beat in distributed mode and by the embedded server, in t
    (a worker killed mid-upload): it is marked failed;
 2. the artifact of a deleted (overwritten), failed or expired version is removed once no other
    ready and unexpired, or pending, version names the same artifact (a promoted version shares
-   its source's), and the version stops naming it;
+   its source's) and no run of an active session was loaded from it (recovery would replay the
+   load), and every deleted, failed or expired version naming it stops naming it;
 3. the snapshot of a run that never executes again (unloaded or failed, its session ended) is
    removed, and the run stops naming it. A live run's earlier snapshots are removed by its
    worker as soon as the next one is recorded.
@@ -32,7 +33,7 @@ from core.db import Database
 from core.objectstore import ArtifactStore, open_store
 from core.periodic import due
 from core.settings import Settings
-from core.tables import ModelVersion, TrainingRun
+from core.tables import TrainingRun
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def collect(
         database,
         store,
         lambda db: {v.id: v.artifact_uri for v in checkpoints.collectable(db, clock, batch)},
-        _forget_version_artifact,
+        lambda db, _, uri: checkpoints.forget_artifact(db, clock, uri),
         batch,
     )
     snapshots = _drain(
@@ -86,12 +87,6 @@ def collect(
     return collected
 
 
-def _forget_version_artifact(db: OrmSession, row_id: str, uri: str) -> None:
-    version = db.get(ModelVersion, row_id)
-    if version is not None:
-        checkpoints.forget_artifact(version, uri)
-
-
 def _forget_run_snapshot(db: OrmSession, row_id: str, uri: str) -> None:
     run = db.get(TrainingRun, row_id)
     if run is not None:
@@ -102,7 +97,7 @@ def _drain(
     database: Database,
     store: ArtifactStore,
     find: Callable[[OrmSession], dict[str, str | None]],
-    forget: Callable[[OrmSession, str, str], None],
+    forget: Callable[[OrmSession, str, str], object],
     batch: int,
 ) -> int:
     """Remove the artifacts `find` names, batch by batch, and `forget` each removed one."""

@@ -65,7 +65,10 @@ def download_urls(
     assert version.artifact_uri is not None
     listed: list[DownloadFile] = []
     for file in files:
-        url = state.store.presigned_url(version.artifact_uri, file.path, expires_in)
+        try:
+            url = state.store.presigned_url(version.artifact_uri, file.path, expires_in)
+        except FileNotFoundError as exc:
+            raise _gone(body.path) from exc
         if url is None:
             token = signing.sign_download(state.server_secret, version.id, file.path, expires)
             url = f"{base}/api/v1/artifacts/{token}/{quote(file.path)}"

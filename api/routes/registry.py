@@ -58,13 +58,16 @@ READ_ERRORS = error_responses(401, 403, 404, 422)
 WRITE_ERRORS = error_responses(401, 403, 404, 413, 422)
 
 
-def _versions(db: OrmSession, package: str, rows: list[ModelVersion]) -> list[RegistryVersion]:
+def _versions(
+    db: OrmSession, clock: Clock, tenant_id: str, package: str, rows: list[ModelVersion]
+) -> list[RegistryVersion]:
     refs = registry.version_refs(
         db,
+        tenant_id,
         {v.parent_version_id for v in rows if v.parent_version_id}
         | {v.source_version_id for v in rows if v.source_version_id},
     )
-    aliases = registry.aliases_by_version(db, rows[0].package_id) if rows else {}
+    aliases = registry.aliases_by_version(db, clock, rows[0].package_id) if rows else {}
     return [version_view(v, package, refs, aliases.get(v.id, [])) for v in rows]
 
 
@@ -86,6 +89,7 @@ def _audit(db: OrmSession, clock: Clock, principal: Principal, action: str, targ
 def list_packages(
     principal: CurrentPrincipal,
     db: ReadSession,
+    state: State,
     tag: Annotated[str | None, Query(max_length=64, description="Only packages with it.")] = None,
     limit: Limit = 100,
     offset: Offset = 0,
@@ -94,7 +98,7 @@ def list_packages(
     rows, total = registry.list_packages(
         db, principal.tenant_id, tag=tag, limit=limit, offset=offset
     )
-    counts = registry.version_counts(db, [p.id for p in rows])
+    counts = registry.version_counts(db, [p.id for p in rows], state.clock.now())
     return RegistryPackagesResponse(
         packages=[package_view(p, counts[p.id]) for p in rows],
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
@@ -120,9 +124,13 @@ def create_package(
 
 
 @router.get(PACKAGE, response_model=RegistryPackage, responses=READ_ERRORS)
-def get_package(name: Name, principal: CurrentPrincipal, db: ReadSession) -> RegistryPackage:
+def get_package(
+    name: Name, principal: CurrentPrincipal, db: ReadSession, state: State
+) -> RegistryPackage:
     package = registry.get_package(db, principal.tenant_id, name)
-    return package_view(package, registry.version_counts(db, [package.id])[package.id])
+    return package_view(
+        package, registry.version_counts(db, [package.id], state.clock.now())[package.id]
+    )
 
 
 @router.patch(PACKAGE, response_model=RegistryPackage, responses=WRITE_ERRORS)
@@ -144,12 +152,15 @@ def update_package(
         set_description="description" in body.model_fields_set,
         tags=body.tags,
     )
-    return package_view(package, registry.version_counts(db, [package.id])[package.id])
+    return package_view(
+        package, registry.version_counts(db, [package.id], state.clock.now())[package.id]
+    )
 
 
 @router.delete(PACKAGE, status_code=204, responses=READ_ERRORS)
 def delete_package(name: Name, principal: CurrentPrincipal, db: DbSession, state: State) -> None:
-    """Delete the package and its versions, freeing the name; refused while it has aliases."""
+    """Delete the package and its versions, freeing the name; refused while it has aliases or
+    a version still uploading."""
     registry.delete_package(db, state.clock, principal.tenant_id, name)
     _audit(db, state.clock, principal, "registry.package.deleted", name)
 
@@ -162,6 +173,7 @@ def list_versions(
     name: Name,
     principal: CurrentPrincipal,
     db: ReadSession,
+    state: State,
     status: Annotated[
         WireVersionStatus | None, Query(description="Only versions in this status.")
     ] = None,
@@ -178,25 +190,25 @@ def list_versions(
         offset=offset,
     )
     return RegistryVersionsResponse(
-        versions=_versions(db, name, rows),
+        versions=_versions(db, state.clock, principal.tenant_id, name, rows),
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
     )
 
 
 @router.get(VERSION, response_model=RegistryVersion, responses=READ_ERRORS)
 def get_version(
-    name: Name, version: Number, principal: CurrentPrincipal, db: ReadSession
+    name: Name, version: Number, principal: CurrentPrincipal, db: ReadSession, state: State
 ) -> RegistryVersion:
     row = registry.get_version(db, principal.tenant_id, name, version)
-    return _versions(db, name, [row])[0]
+    return _versions(db, state.clock, principal.tenant_id, name, [row])[0]
 
 
 @router.delete(VERSION, status_code=204, responses=READ_ERRORS)
 def delete_version(
     name: Name, version: Number, principal: CurrentPrincipal, db: DbSession, state: State
 ) -> None:
-    """Delete the version; refused while an alias points at it. Its files are removed later,
-    once no other version shares them."""
+    """Delete the version; refused while an alias points at it or it is still uploading. Its
+    files are removed later, once no other version or run needs them."""
     registry.delete_version(db, principal.tenant_id, name, version)
     _audit(db, state.clock, principal, "registry.version.deleted", f"{name}:{version}")
 
@@ -214,7 +226,7 @@ def set_version_ttl(
     row = registry.set_version_ttl(
         db, state.clock, principal.tenant_id, name, version, body.ttl_seconds
     )
-    return _versions(db, name, [row])[0]
+    return _versions(db, state.clock, principal.tenant_id, name, [row])[0]
 
 
 @router.post(VERSION + "/promote", response_model=RegistryVersion, responses=WRITE_ERRORS)
@@ -244,7 +256,7 @@ def promote_version(
         "registry.version.promoted",
         f"{body.target_package}:{row.version}",
     )
-    return _versions(db, body.target_package, [row])[0]
+    return _versions(db, state.clock, principal.tenant_id, body.target_package, [row])[0]
 
 
 # --- aliases and lineage ----------------------------------------------------------------------
@@ -258,10 +270,10 @@ def _alias(entry: registry.AliasEntry) -> RegistryAlias:
 
 @router.get(PACKAGE + "/aliases", response_model=RegistryAliasesResponse, responses=READ_ERRORS)
 def list_aliases(
-    name: Name, principal: CurrentPrincipal, db: ReadSession
+    name: Name, principal: CurrentPrincipal, db: ReadSession, state: State
 ) -> RegistryAliasesResponse:
     """The package's aliases by name, with the virtual `latest` first when it has a version."""
-    entries = registry.list_aliases(db, principal.tenant_id, name)
+    entries = registry.list_aliases(db, state.clock, principal.tenant_id, name)
     return RegistryAliasesResponse(aliases=[_alias(e) for e in entries])
 
 

@@ -203,9 +203,9 @@ def test_versions_promotion_aliases_and_deletion(migrated: Database, clock: Fake
         with pytest.raises(InvalidInput, match="kept by the registry"):
             registry.set_alias(db, clock, tenant, source, references.LATEST, 1, actor="k1")
     with migrated.reader() as db:
-        assert references.lookup(db, tenant, "prod@production").id == promoted.id
+        assert references.lookup(db, tenant, "prod@production", clock.now()).id == promoted.id
         assert [
-            (a.name, a.version, a.virtual) for a in registry.list_aliases(db, tenant, source)
+            (a.name, a.version, a.virtual) for a in registry.list_aliases(db, clock, tenant, source)
         ] == [
             ("latest", 2, True),
             ("stable", 2, False),
@@ -248,7 +248,9 @@ def test_versions_promotion_aliases_and_deletion(migrated: Database, clock: Fake
         left = db.get(ModelVersion, second.id)
         assert left is not None and left.status == VersionStatus.DELETED
         # The promoted copy lives on, on the same artifact.
-        assert references.lookup(db, tenant, "prod:1").artifact_uri == second.artifact_uri
+        assert (
+            references.lookup(db, tenant, "prod:1", clock.now()).artifact_uri == second.artifact_uri
+        )
 
 
 def test_version_ttl_reuses_the_checkpoint_bounds(migrated: Database, clock: FakeClock) -> None:

@@ -204,7 +204,7 @@ def test_an_upload_that_fails_half_way_leaves_a_failed_version_and_no_name(
     )
     assert missing.status_code == 404, missing.text
     with s3_app.database.reader() as db:
-        latest = references.latest_version(db, half.package_id)
+        latest = references.latest_version(db, half.package_id, SystemClock().now())
         assert latest is not None and latest.id == good.id
 
     # The name is free: saving it again works, and collection removes the half upload only.
@@ -377,3 +377,23 @@ def test_collection_removes_the_snapshot_of_a_run_that_never_runs_again(
         assert (
             artifact_gc.collect(server.database, server.store, SystemClock(), **gc).snapshots == 0
         )
+
+
+def test_download_links_of_a_version_whose_objects_are_gone_answer_404(
+    s3_app: Server, s3_server: S3Server
+) -> None:
+    run_id = s3_app.trained_run()
+    s3_app.op("save_weights", {"model_id": run_id, "seq_id": 3, "path": "a"})
+    (version,) = s3_app.versions(run_id)
+    uri = version.artifact_uri or ""
+    bucket = uri.removeprefix("s3://").partition("/")[0]
+    s3_server.client().delete_objects(
+        Bucket=bucket, Delete={"Objects": [{"Key": key} for key in s3_server.keys(uri)]}
+    )
+    answer = s3_app.client.post(
+        "/api/v1/registry/download_urls",
+        json={"path": version.tinker_path},
+        headers=s3_app.headers,
+    )
+    assert answer.status_code == 404, answer.text
+    assert "are gone" in answer.json()["detail"]
