@@ -2,7 +2,9 @@
 the bytes of ready checkpoints the tenant held during that hour.
 
 A checkpoint counts for the part of the hour between its creation and its expiry (byte-hours,
-so a checkpoint held half the hour counts half its bytes). A deleted checkpoint counts for no
+so a checkpoint held half the hour counts half its bytes). What is metered is stored artifacts,
+not versions: versions sharing one artifact (a promoted copy and its source) count its bytes
+once, for the hours any of them is held. A deleted checkpoint counts for no
 hour metered after its deletion: versions keep no deletion time, so an hour metered late (after
 a pause of the job) does not count checkpoints deleted since.
 
@@ -49,9 +51,10 @@ class MeteredHour:
 
 @dataclass(frozen=True)
 class _Held:
+    """One stored artifact: its size, and when each version on it was created and expires."""
+
     size_bytes: int
-    created_at: datetime
-    expires_at: datetime | None
+    spans: list[tuple[datetime, datetime | None]]
 
 
 def hour_of(moment: datetime) -> datetime:
@@ -61,14 +64,21 @@ def hour_of(moment: datetime) -> datetime:
 
 def byte_hours(held: list[_Held], hour: datetime) -> int:
     """The bytes held during the hour starting at `hour`, weighted by the share of the hour
-    each was held (rounded down to a whole byte)."""
+    each artifact was held by any of its versions (rounded down to a whole byte)."""
     end = hour + HOUR
     byte_seconds = 0
     for h in held:
-        start = max(h.created_at, hour)
-        stop = end if h.expires_at is None else min(h.expires_at, end)
-        if stop > start:
-            byte_seconds += h.size_bytes * int((stop - start).total_seconds())
+        clipped = sorted(
+            (max(created, hour), end if expires is None else min(expires, end))
+            for created, expires in h.spans
+        )
+        seconds, reached = 0.0, hour
+        for start, stop in clipped:
+            start = max(start, reached)
+            if stop > start:
+                seconds += (stop - start).total_seconds()
+                reached = stop
+        byte_seconds += h.size_bytes * int(seconds)
     return byte_seconds // int(HOUR.total_seconds())
 
 
@@ -79,10 +89,13 @@ def meter_storage(
     per tenant holding bytes in it); returns the events this call inserted."""
     until = hour_of(clock.now())
     since = until - catch_up
-    held: dict[str, list[_Held]] = defaultdict(list)
-    for tenant_id, size, created_at, expires_at in db.execute(
+    # (tenant, artifact) -> (size, spans); a version whose files are gone counts on its own.
+    artifacts: dict[tuple[str, str], tuple[int, list[tuple[datetime, datetime | None]]]] = {}
+    for tenant_id, version_id, uri, size, created_at, expires_at in db.execute(
         select(
             ModelVersion.tenant_id,
+            ModelVersion.id,
+            ModelVersion.artifact_uri,
             ModelVersion.size_bytes,
             ModelVersion.created_at,
             ModelVersion.expires_at,
@@ -93,7 +106,12 @@ def meter_storage(
             or_(ModelVersion.expires_at.is_(None), ModelVersion.expires_at > since),
         )
     ):
-        held[tenant_id].append(_Held(int(size or 0), created_at, expires_at))
+        key = (tenant_id, uri if uri is not None else version_id)
+        largest, spans = artifacts.get(key, (0, []))
+        artifacts[key] = (max(largest, int(size or 0)), [*spans, (created_at, expires_at)])
+    held: dict[str, list[_Held]] = defaultdict(list)
+    for (tenant_id, _), (size, spans) in artifacts.items():
+        held[tenant_id].append(_Held(size, spans))
     if not held:
         return []
     metered = {
@@ -108,7 +126,7 @@ def meter_storage(
     now = clock.now()
     rows = []
     for tenant_id in sorted(held):
-        first = max(since, hour_of(min(h.created_at for h in held[tenant_id])))
+        first = max(since, hour_of(min(c for h in held[tenant_id] for c, _ in h.spans)))
         hour = first
         while hour < until:
             quantity = byte_hours(held[tenant_id], hour)

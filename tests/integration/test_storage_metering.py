@@ -121,6 +121,22 @@ def test_deleted_and_expired_checkpoints_stop_accruing(rows: Rows) -> None:
     ]
 
 
+def test_versions_sharing_an_artifact_bill_its_bytes_once(rows: Rows) -> None:
+    tenant = rows.tenant()
+    run = rows.run(tenant)
+    _save(rows, run, "a", 2 * GB, ttl=3600)  # 09:30 to 10:30
+    rows.clock.advance(15 * 60)  # 09:45: a copy on the same files, as promotion makes one
+    with rows.database.transaction() as db:
+        checkpoints.register(
+            db, rows.clock, run=db.get(TrainingRun, run), kind="training", name=None,  # type: ignore[arg-type]
+            artifact_uri="file:///x/a", size_bytes=2 * GB, sha256="0" * 64, ttl_seconds=3600,
+        )  # fmt: skip
+    rows.clock.advance(2 * 3600)  # 11:45
+    # Hour 9: the artifact from 09:30 (half the hour); hour 10: until the copy expires at 10:45,
+    # held by both until 10:30, yet counted once.
+    assert _meter(rows) == [(tenant, _hour(9), GB), (tenant, _hour(10), 3 * GB // 2)]
+
+
 def test_missed_hours_are_caught_up_within_the_bound(rows: Rows) -> None:
     tenant = rows.tenant()
     _save(rows, rows.run(tenant), "a", GB)
