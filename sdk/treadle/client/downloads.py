@@ -70,7 +70,14 @@ async def download_archive(
     on_progress: ProgressFn | None,
 ) -> Path:
     """The version's tar archive as `destination/name`; returns the archive's path."""
-    target = destination.resolve() / name
+    root = destination.resolve()
+    target = (root / name).resolve()
+    if not target.is_relative_to(root) or target == root:
+        raise RequestFailedError(
+            f"refusing to write the archive {name!r} outside {root}: the server's archive URL "
+            "is wrong; tell its operator",
+            category="server",
+        )
     await _fetch(plain, urls.archive_url, name, target, urls.archive_size_bytes, on_progress)
     problem = _archive_problem(_part(target), urls.files)
     if problem is not None:
