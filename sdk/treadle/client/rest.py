@@ -686,7 +686,8 @@ class RestClient:
         return _got(await self._registry("POST", path, RegistryVersion, json=body))
 
     def list_aliases(self, package: str) -> APIFuture[RegistryAliasesResponse]:
-        """A package's aliases, `latest` (the newest ready version) first."""
+        """A package's aliases, `latest` (the newest ready, unexpired version with its files)
+        first."""
         return self._future(self.list_aliases_async(package))
 
     async def list_aliases_async(self, package: str) -> RegistryAliasesResponse:

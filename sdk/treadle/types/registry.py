@@ -2,8 +2,9 @@
 
 A package is a named family of versions; a version is one immutable saved artifact (a save of a
 training run, or a promotion of another version); an alias is a movable name for one version
-of a package (`latest`, the newest ready version, is kept by the registry). References
-`<package>@<alias>` and `<package>:<version>` name versions wherever a tinker path is accepted.
+of a package (`latest`, the newest ready and unexpired version with its files, is kept by the
+registry). References `<package>@<alias>` and `<package>:<version>` name versions wherever a
+tinker path is accepted.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class RegistryPackage(WireResponse):
     version_count: int = 0
     """Versions not deleted."""
     latest_version: int | None = None
-    """The newest ready version's number (`<name>@latest`)."""
+    """The number of the newest ready, unexpired version with its files (`<name>@latest`)."""
     created_at: datetime
     updated_at: datetime | None = None
 
@@ -123,7 +124,8 @@ class RegistryAlias(WireResponse):
     name: str
     version: int
     virtual: bool = False
-    """True for `latest`, which follows the newest ready version and cannot be set."""
+    """True for `latest`, which follows the newest ready, unexpired version with its files and
+    cannot be set."""
     updated_at: datetime | None = None
 
 
