@@ -3,6 +3,8 @@ token boundaries, prompt logprobs from the prefill, and the distribution of the 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from tests.gpu_worker.reference import hooked_lora
 pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
+DEVICE = torch.device(os.environ.get("TREADLE_TEST_DEVICE", "cpu"))  # as the engine fixture
 
 PARAMS = [
     SamplingParams(max_tokens=10, seed=1, stop=[], temperature=1.0),
@@ -34,17 +37,17 @@ def parts():
     from transformers import AutoTokenizer
 
     catalog = Catalog([], {}, None)
-    model = catalog.load_model(TINY)
+    model = catalog.load_model(TINY).to(DEVICE)
     ctx, wrapped = inject(model)
     tokenizer = AutoTokenizer.from_pretrained(str(catalog.tokenizer_dir(TINY)))
     adapters = []
     for seed, rank in ((1, 4), (2, 8)):
         spec = LoraSpec(rank=rank, seed=seed)
-        adapter = LoraAdapter(spec, adapter_shapes(wrapped, spec), CPU)
+        adapter = LoraAdapter(spec, adapter_shapes(wrapped, spec), DEVICE)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for _, b in adapter.weights.values():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+                b.copy_(torch.randn(b.shape, generator=gen).to(DEVICE) * 0.2)
         adapters.append(adapter)
     return model, ctx, tokenizer, adapters
 
@@ -57,7 +60,7 @@ def _job(i: int, adapters: list[LoraAdapter]) -> Job:
 
 def _run(parts, jobs: list[Job], join_at: dict[int, list[Job]] | None = None) -> None:
     model, ctx, tokenizer, _ = parts
-    sampler = Sampler(model, ctx, tokenizer, CPU, None)
+    sampler = Sampler(model, ctx, tokenizer, DEVICE, None)
     for job in jobs:
         sampler.add(job)
     step = 0
@@ -144,8 +147,8 @@ def test_prompt_logprobs_from_the_prefill_equal_a_separate_forward(engine):
         for req, res in zip(requests, results, strict=True):
             weights = adapter.weights if req.run_id else {}
             with torch.no_grad(), hooked_lora(base, weights, adapter.scale):
-                logits = base(input_ids=torch.tensor([req.prompt])).logits[0].float()
-            logp_PV = torch.log_softmax(logits[:-1], dim=-1)
+                logits = base(input_ids=torch.tensor([req.prompt], device=engine.device)).logits
+            logp_PV = torch.log_softmax(logits[0, :-1].float().cpu(), dim=-1)
             want = logp_PV.gather(1, torch.tensor(req.prompt[1:])[:, None])[:, 0].numpy()
             if req.prompt_logprobs:
                 assert np.isnan(res.prompt_logprobs[0])

@@ -1,0 +1,168 @@
+"""Sampling benchmark on CPU or GPU; prints one JSON object.
+
+On a built-in tiny model (default the ~10M one) with 4 LoRA adapters (rank 16, every attention
+and MLP projection), requests of a 16-token prompt and `--max-tokens` sampled tokens each
+(temperature 1, no early stop), cycling through the adapters:
+1. concurrent: tokens/s of 1, 16 and 64 requests sent in one `Engine.sample_batch`;
+2. sequential: the same engine, requests sent one `sample_batch` at a time (the first
+   `--sequential` requests of the set; a rate, so it is the baseline of every size);
+3. transformers: `generate` per request on a PEFT model (`PeftModel.from_pretrained` of the
+   engine's exported adapters on a fresh copy of the same base model, `set_adapter` per
+   request), sampling the same number of tokens;
+4. time to first token: the same requests with max_tokens=1 (all of them in one call for the
+   engine, one request for the others).
+
+Run: `python bench/sampling.py [--device cuda] [--threads 1]`. Timings are medians over
+`--repeats` after one warm-up; `other_load` is the share of the machine other processes used
+meanwhile (see bench/engine.py). Ratios are baseline time over engine time (higher is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.engine import timed
+from gpu_worker.engine import Engine, EngineSettings
+from gpu_worker.protocol import LoraSpec, SampleRequest, SamplingParams
+
+ADAPTERS = 4
+
+
+def make_requests(vocab: int, n: int, max_tokens: int) -> list[SampleRequest]:
+    rng = np.random.default_rng(7)
+    return [
+        SampleRequest(
+            prompt=rng.integers(0, vocab, 16).tolist(),
+            run_id=f"bench-sampling-{i % ADAPTERS}",
+            params=SamplingParams(max_tokens=max_tokens, seed=i, stop=[]),
+        )
+        for i in range(n)
+    ]
+
+
+def peft_generate(engine: Engine, model: str, folder: Path) -> tuple[object, object]:
+    """A PEFT model holding every benchmark adapter, and a `generate(request)` function."""
+    from peft import PeftModel
+
+    base = engine.catalog.load_model(model).to(engine.device, dtype=engine.weight_dtype).eval()
+    peft = PeftModel.from_pretrained(base, str(folder / "0"), adapter_name="a0")
+    for i in range(1, ADAPTERS):
+        peft.load_adapter(str(folder / str(i)), adapter_name=f"a{i}")
+
+    @torch.no_grad()
+    def generate(req: SampleRequest) -> None:
+        assert req.run_id is not None
+        peft.set_adapter(f"a{int(req.run_id.rsplit('-', 1)[1])}")
+        n = req.params.max_tokens
+        torch.manual_seed(req.params.seed or 0)
+        peft.generate(
+            input_ids=torch.tensor([req.prompt], device=engine.device),
+            attention_mask=torch.ones((1, len(req.prompt)), dtype=torch.long, device=engine.device),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+
+    return peft, generate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="treadle/tiny-10m")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda when available")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--sizes", default="1,16,64", help="concurrent request counts")
+    parser.add_argument("--sequential", type=int, default=8, help="requests timed one by one")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    engine = Engine(
+        EngineSettings(
+            device=args.device,
+            precision=args.precision,
+            num_threads=args.threads,
+            models=(args.model,),
+        )
+    )
+    vocab = engine.catalog.info(args.model).vocab_size
+    gen = torch.Generator().manual_seed(0)
+    for i in range(ADAPTERS):
+        rid = f"bench-sampling-{i}"
+        engine.create_run(rid, args.model, LoraSpec(rank=16, seed=i))
+        with torch.no_grad():  # non-zero B, so the adapters change the tokens
+            for _, b in engine.adapter(rid).weights.values():
+                b.copy_(torch.randn(b.shape, generator=gen).to(b.device) * 0.02)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    T = args.max_tokens
+    report: dict = {
+        "device": str(engine.device),
+        "threads": torch.get_num_threads(),
+        "precision": args.precision,
+        "torch": torch.__version__,
+        "model": args.model,
+        "adapters": ADAPTERS,
+        "prompt_tokens": 16,
+        "max_tokens": T,
+    }
+
+    seq_requests = make_requests(vocab, args.sequential, T)
+    seq_s, seq_other = timed(lambda: [engine.sample_batch([r]) for r in seq_requests], 1)
+    seq_rate = len(seq_requests) * T / seq_s
+    first = [replace(r, params=replace(r.params, max_tokens=1)) for r in seq_requests]
+    seq_ttft, _ = timed(lambda: engine.sample_batch([first[0]]), args.repeats)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(ADAPTERS):
+            engine.export_adapter(f"bench-sampling-{i}", Path(tmp) / str(i))
+        _, generate = peft_generate(engine, args.model, Path(tmp))
+    hf_s, hf_other = timed(lambda: [generate(r) for r in seq_requests], 1)  # type: ignore[operator]
+    hf_rate = len(seq_requests) * T / hf_s
+    hf_ttft, _ = timed(lambda: generate(first[0]), args.repeats)  # type: ignore[operator]
+    report["sequential"] = {
+        "requests": len(seq_requests),
+        "engine_tokens_per_s": round(seq_rate, 1),
+        "transformers_generate_tokens_per_s": round(hf_rate, 1),
+        "engine_ttft_ms": round(seq_ttft * 1e3, 1),
+        "transformers_generate_ttft_ms": round(hf_ttft * 1e3, 1),
+        "other_load": [seq_other, hf_other],
+    }
+
+    for n in sizes:
+        requests = make_requests(vocab, n, T)
+        ones = [replace(r, params=replace(r.params, max_tokens=1)) for r in requests]
+        s, other = timed(lambda requests=requests: engine.sample_batch(requests), args.repeats)
+        ttft, _ = timed(lambda ones=ones: engine.sample_batch(ones), args.repeats)
+        rate = n * T / s
+        report[f"concurrent_{n}"] = {
+            "tokens_per_s": round(rate, 1),
+            "ratio_over_sequential": round(rate / seq_rate, 2),
+            "ratio_over_transformers_generate": round(rate / hf_rate, 2),
+            "ttft_ms_all_requests": round(ttft * 1e3, 1),
+            "other_load": other,
+        }
+    report["goals"] = {
+        "concurrent_64_over_sequential": 3.0,
+        "concurrent_over_transformers_generate": 1.0,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
