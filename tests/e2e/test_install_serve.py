@@ -22,7 +22,8 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# A whole serve install into a fresh environment: minutes, more on a loaded machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 # Read now: the e2e conftest points HOME at each test's own folder, and downloads are better
