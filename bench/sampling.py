@@ -20,10 +20,12 @@ meanwhile (see bench/engine.py). Ratios are baseline time over engine time (high
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,8 +54,8 @@ def make_requests(vocab: int, n: int, max_tokens: int) -> list[SampleRequest]:
     ]
 
 
-def peft_generate(engine: Engine, model: str, folder: Path) -> tuple[object, object]:
-    """A PEFT model holding every benchmark adapter, and a `generate(request)` function."""
+def peft_generate(engine: Engine, model: str, folder: Path) -> Callable[[SampleRequest], None]:
+    """`generate(request)` on a PEFT model holding every benchmark adapter."""
     from peft import PeftModel
 
     base = engine.catalog.load_model(model).to(engine.device, dtype=engine.weight_dtype).eval()
@@ -79,7 +81,7 @@ def peft_generate(engine: Engine, model: str, folder: Path) -> tuple[object, obj
             pad_token_id=0,
         )
 
-    return peft, generate
+    return generate
 
 
 def main() -> None:
@@ -131,10 +133,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(ADAPTERS):
             engine.export_adapter(f"bench-sampling-{i}", Path(tmp) / str(i))
-        _, generate = peft_generate(engine, args.model, Path(tmp))
-    hf_s, hf_other = timed(lambda: [generate(r) for r in seq_requests], 1)  # type: ignore[operator]
+        generate = peft_generate(engine, args.model, Path(tmp))
+    hf_s, hf_other = timed(lambda: [generate(r) for r in seq_requests], 1)
     hf_rate = len(seq_requests) * T / hf_s
-    hf_ttft, _ = timed(lambda: generate(first[0]), args.repeats)  # type: ignore[operator]
+    hf_ttft, _ = timed(lambda: generate(first[0]), args.repeats)
     report["sequential"] = {
         "requests": len(seq_requests),
         "engine_tokens_per_s": round(seq_rate, 1),
@@ -147,8 +149,8 @@ def main() -> None:
     for n in sizes:
         requests = make_requests(vocab, n, T)
         ones = [replace(r, params=replace(r.params, max_tokens=1)) for r in requests]
-        s, other = timed(lambda requests=requests: engine.sample_batch(requests), args.repeats)
-        ttft, _ = timed(lambda ones=ones: engine.sample_batch(ones), args.repeats)
+        s, other = timed(functools.partial(engine.sample_batch, requests), args.repeats)
+        ttft, _ = timed(functools.partial(engine.sample_batch, ones), args.repeats)
         rate = n * T / s
         report[f"concurrent_{n}"] = {
             "tokens_per_s": round(rate, 1),
