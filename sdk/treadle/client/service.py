@@ -240,7 +240,7 @@ class ServiceClient:
         Args:
             path: a `tinker://<run>/weights/<name>` checkpoint (yours or a published one),
                 or a registry reference to one of yours: `package@alias` (`@latest` is the
-                newest ready version) or `package:version`.
+                newest ready, unexpired version with its files) or `package:version`.
             base_model: the checkpoint's base model; None reads it from the checkpoint.
             user_metadata: stored on the new run.
 
