@@ -24,8 +24,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.chat_templates import ServedTokenizer, load
 from api.deps import API_KEY_HEADER, AppState, State
-from api.oai_params import ParamError, Sampling
-from api.submission import in_submission, require_session
+from api.oai_params import Sampling
+from api.submission import in_submission, open_live_sampler, require_session
 from billing import estimate
 from billing.estimate import Estimate
 from core import apikeys, checkpoints, references, runs, sessions
@@ -48,7 +48,6 @@ BEARER = HTTPBearer(
 )
 
 _RECHECK_SECONDS = 1.0
-LIVE_PREFIX = "live:"
 
 
 def get_principal(
@@ -85,15 +84,6 @@ def _model_not_found(model: str) -> ModelNotFound:
     )
 
 
-def _live_refused() -> ParamError:
-    return ParamError(
-        "model",
-        "sampling a live training run (live:<run id>) is not available on this server yet; "
-        "save its weights for sampling (save_weights_for_sampler) and use the tinker:// path",
-        code=ErrorCode.UNSUPPORTED,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Target:
     sampler_id: str
@@ -108,9 +98,10 @@ def _serving_sampler(
     base_model: str,
     model_path: str | None,
     version: ModelVersion | None,
+    live_run: str | None = None,
 ) -> SamplingSession:
-    """The serving session's sampling session for a base model or a checkpoint, created on
-    first use."""
+    """The serving session's sampling session for a base model, a checkpoint or a live run
+    (`live:<run id>`), created on first use."""
     serving = sessions.serving_session(
         db,
         state.clock,
@@ -122,27 +113,36 @@ def _serving_sampler(
         SamplingSession.session_id == serving.id,
         SamplingSession.base_model == base_model,
     )
-    if version is None:
+    if version is not None:
+        query = query.where(SamplingSession.model_version_id == version.id)
+    else:
         query = query.where(
             SamplingSession.model_version_id.is_(None),
-            SamplingSession.training_run_id.is_(None),
+            SamplingSession.training_run_id == live_run
+            if live_run is not None
+            else SamplingSession.training_run_id.is_(None),
         )
-    else:
-        query = query.where(SamplingSession.model_version_id == version.id)
     existing = db.scalar(query.limit(1))
     if existing is not None:
+        if live_run is not None:
+            runs.require_live(db, principal.tenant_id, live_run)
         return existing
     used = db.scalar(
         select(func.max(SamplingSession.sampling_session_seq_id)).where(
             SamplingSession.session_id == serving.id
         )
     )
+    seq = 0 if used is None else used + 1
+    if live_run is not None:
+        return open_live_sampler(
+            db, state, principal, session_id=serving.id, seq=seq, run_id=live_run
+        )
     return runs.create_sampling_session(
         db,
         state.clock,
         tenant_id=principal.tenant_id,
         session_id=serving.id,
-        seq=0 if used is None else used + 1,
+        seq=seq,
         base_model=base_model,
         model_path=model_path,
         training_run_id=None if version is None else version.training_run_id,
@@ -157,8 +157,19 @@ def resolve_target(db: OrmSession, state: AppState, principal: Principal, model:
             db, state, principal, base_model=model, model_path=None, version=None
         )
         return Target(sampler.id, model)
-    if model.startswith(LIVE_PREFIX):
-        raise _live_refused()
+    live_run = runs.live_run_id(model)
+    if live_run is not None:
+        run = runs.require_live(db, principal.tenant_id, live_run)
+        sampler = _serving_sampler(
+            db,
+            state,
+            principal,
+            base_model=run.base_model,
+            model_path=model,
+            version=None,
+            live_run=run.id,
+        )
+        return Target(sampler.id, run.base_model)
     if ":sample:" in model and not model.startswith("tinker://"):
         try:
             sampler = runs.get_sampling_session(db, principal.tenant_id, model)
@@ -194,8 +205,9 @@ def base_model_of(state: AppState, principal: Principal, model: str) -> str:
                 return runs.get_sampling_session(db, principal.tenant_id, model).base_model
             except NotFound:
                 raise _model_not_found(model) from None
-        if model.startswith(LIVE_PREFIX):
-            raise _live_refused()
+        live_run = runs.live_run_id(model)
+        if live_run is not None:
+            return runs.require_live(db, principal.tenant_id, live_run).base_model
         if not (model.startswith("tinker://") or references.is_reference(model)):
             raise _model_not_found(model)
         version = checkpoints.resolve(db, state.clock, principal.tenant_id, model)

@@ -51,14 +51,17 @@ from api.oai_types import (
     TokenLogprob,
     Usage,
 )
+from core import runs
 from core.apikeys import Principal
 from core.tables import (
     ModelAlias,
     ModelPackage,
     ModelVersion,
+    RunStatus,
     SamplingSession,
     Session,
     SessionStatus,
+    TrainingRun,
     VersionStatus,
 )
 from treadle.types import SampledSequence
@@ -122,6 +125,17 @@ def _models(state: AppState, principal: Principal) -> ModelList:
             .order_by(ModelVersion.created_at.desc())
             .limit(_LISTED_PER_KIND)
         ).all()
+        live = db.execute(
+            select(TrainingRun.id, TrainingRun.created_at)
+            .join(Session, Session.id == TrainingRun.session_id)
+            .where(
+                TrainingRun.tenant_id == tenant,
+                TrainingRun.status == RunStatus.ACTIVE,
+                Session.status == SessionStatus.ACTIVE,
+            )
+            .order_by(TrainingRun.created_at.desc())
+            .limit(_LISTED_PER_KIND)
+        ).all()
         aliases = db.execute(
             select(ModelPackage.name, ModelAlias.name, ModelVersion.created_at)
             .join(ModelPackage, ModelPackage.id == ModelAlias.package_id)
@@ -133,6 +147,10 @@ def _models(state: AppState, principal: Principal) -> ModelList:
     cards += [ModelCard(id=i, created=int(t.timestamp()), owned_by="you") for i, t in samplers]
     cards += [ModelCard(id=str(p), created=int(t.timestamp()), owned_by="you") for p, t in saved]
     cards += [
+        ModelCard(id=runs.LIVE_PREFIX + r, created=int(t.timestamp()), owned_by="you")
+        for r, t in live
+    ]
+    cards += [
         ModelCard(id=f"{p}@{a}", created=int(t.timestamp()), owned_by="you") for p, a, t in aliases
     ]
     return ModelList(data=cards)
@@ -140,8 +158,8 @@ def _models(state: AppState, principal: Principal) -> ModelList:
 
 @router.get("/models", response_model=ModelList, responses=_errors(401, 403))
 def list_models(principal: OaiPrincipal, state: State) -> ModelList:
-    """Base models, the caller's open sampling sessions, saved sampler checkpoints and registry
-    aliases: every `model` a completion may name."""
+    """Base models, the caller's open sampling sessions, saved sampler checkpoints, live
+    training runs (`live:<run id>`) and registry aliases: every `model` a completion may name."""
     return _models(state, principal)
 
 

@@ -177,11 +177,54 @@ def test_bad_keys_and_refused_parameters(live_server: LiveServer, client: openai
     client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, user="u-1")  # type: ignore[arg-type]
 
 
-def test_live_runs_are_refused_clearly(client: openai.OpenAI) -> None:
-    # Enable once live:<run id> sampling sessions land: then this samples the run.
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="live:x:train:0", messages=HELLO)  # type: ignore[arg-type]
-    assert "live:" in str(caught.value)
+def test_a_live_run_answers_with_its_current_weights_and_a_checkpoint_does_not_change(
+    live_server: LiveServer, client: openai.OpenAI, tenant: TenantKey
+) -> None:
+    """`live:<run>` samples the adapter as the last optim_step left it; a sampler checkpoint
+    saved before those steps keeps answering the same."""
+    service = tinker.ServiceClient(base_url=live_server.base_url, api_key=tenant.key)
+    trainer = service.create_lora_training_client(base_model=MODEL, rank=4, seed=9).result()
+    checkpoint = trainer.save_weights_for_sampler("before").result().path
+    live = f"live:{trainer.model_id}"
+    assert live in {m.id for m in client.models.list().data}
+
+    def logprobs(model: str) -> list[float]:
+        answer = client.chat.completions.create(
+            model=model,
+            messages=HELLO,  # type: ignore[arg-type]
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+        )
+        content = answer.choices[0].logprobs
+        assert content is not None and content.content is not None
+        return [entry.logprob for entry in content.content]
+
+    live_before, saved_before = logprobs(live), logprobs(checkpoint)
+    assert live_before == pytest.approx(saved_before, abs=1e-5)
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([5, 6, 7, 8, 9, 10]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8, 9, 10, 11], "weights": [1.0] * 6},
+    )
+    for _ in range(3):
+        trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+    live_after = logprobs(live)
+    assert logprobs(checkpoint) == pytest.approx(saved_before, abs=1e-5)
+    assert live_after != pytest.approx(live_before, abs=1e-3)
+    streamed = client.chat.completions.create(
+        model=live,
+        messages=HELLO,  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in streamed)
+    service.close("success").result(timeout=60)
+    with pytest.raises(openai.BadRequestError, match="session ended"):
+        client.chat.completions.create(model=live, messages=HELLO)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="live:nobody:train:0", messages=HELLO)  # type: ignore[arg-type]
 
 
 def test_x_api_key_is_accepted_too(live_server: LiveServer, tenant: TenantKey) -> None:
