@@ -105,6 +105,14 @@ def _groups(adapters: list[LoraAdapter | None]) -> list[RowGroup]:
     return groups
 
 
+def _by_adapter(adapters: list[LoraAdapter | None]) -> list[int]:
+    """A stable order that puts rows of one adapter side by side, so each LoRA layer runs one
+    matmul per adapter rather than one per run of alternating rows."""
+    first: dict[int, int] = {}
+    group = [first.setdefault(id(a), len(first)) for a in adapters]
+    return sorted(range(len(group)), key=group.__getitem__)
+
+
 def _pad_left(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     if n == 0:
         return x
@@ -216,6 +224,7 @@ class Sampler:
         """Prefill `jobs` and append their rows (num_samples each) to the running batch."""
         from transformers import DynamicCache
 
+        jobs = [jobs[j] for j in _by_adapter([job.adapter for job in jobs])]
         R, P = len(jobs), max(len(j.prompt) for j in jobs)
         tokens_RP = torch.zeros((R, P), dtype=torch.long)
         mask_RP = torch.zeros((R, P), dtype=torch.long)
@@ -276,11 +285,7 @@ class Sampler:
         else:
             self._merge(cache, mask_BP, stop_BS, *new)
         self._rows += rows
-        # rows of one adapter side by side: each LoRA layer then runs one matmul per adapter,
-        # not one per run of alternating rows
-        first: dict[int, int] = {}
-        group = [first.setdefault(id(row.job.adapter), len(first)) for row in self._rows]
-        order = sorted(range(len(group)), key=group.__getitem__)
+        order = _by_adapter([row.job.adapter for row in self._rows])
         if order != list(range(len(order))):
             self._select(order)
 
