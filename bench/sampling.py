@@ -4,17 +4,18 @@ On a built-in tiny model (default the ~10M one) with 4 LoRA adapters (rank 16, e
 and MLP projection), requests of a 16-token prompt and `--max-tokens` sampled tokens each
 (temperature 1, no early stop), cycling through the adapters:
 1. concurrent: tokens/s of 1, 16 and 64 requests sent in one `Engine.sample_batch`;
-2. sequential: the same engine, requests sent one `sample_batch` at a time (the first
-   `--sequential` requests of the set; a rate, so it is the baseline of every size);
-3. transformers: `generate` per request on a PEFT model (`PeftModel.from_pretrained` of the
-   engine's exported adapters on a fresh copy of the same base model, `set_adapter` per
-   request), sampling the same number of tokens;
-4. time to first token: the same requests with max_tokens=1 (all of them in one call for the
-   engine, one request for the others).
+2. sequential: the same engine, the first `--sequential` requests of the set sent one
+   `sample_batch` at a time (a rate, so a few requests suffice);
+3. transformers: `generate` per request (the same first requests) on a PEFT model
+   (`PeftModel.from_pretrained` of the engine's exported adapters on a fresh copy of the same
+   base model, `set_adapter` per request), sampling the same number of tokens;
+4. time to first token: the requests with max_tokens=1, all of them in one call, one alone,
+   and one through `generate`.
 
 Run: `python bench/sampling.py [--device cuda] [--threads 1]`. Timings are medians over
-`--repeats` after one warm-up; `other_load` is the share of the machine other processes used
-meanwhile (see bench/engine.py). Ratios are baseline time over engine time (higher is better).
+`--repeats` after one warm-up, the measurements of one size taken in turn within each repeat
+so that a busy machine slows all of them alike; `other_load` is the share of the machine
+other processes used meanwhile (see bench/engine.py). Ratios are baseline time over engine time (higher is better).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.engine import timed
+from bench.engine import _cpu_busy
 from gpu_worker.engine import Engine, EngineSettings
 from gpu_worker.protocol import LoraSpec, SampleRequest, SamplingParams
 
@@ -84,6 +87,30 @@ def peft_generate(engine: Engine, model: str, folder: Path) -> Callable[[SampleR
     return generate
 
 
+def each(fn: Callable[[SampleRequest], None], requests: list[SampleRequest]) -> None:
+    for request in requests:
+        fn(request)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int
+) -> tuple[dict[str, float], float]:
+    """Median seconds per call of each function, called in turn in every repeat (after one
+    warm-up each) so that all of them see the same load, and other processes' CPU share."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    t0, o0 = _cpu_busy()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    t1, o1 = _cpu_busy()
+    other = (o1 - o0) / (t1 - t0) if t1 > t0 else 0.0
+    return {name: statistics.median(t) for name, t in times.items()}, round(other, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="treadle/tiny-10m")
@@ -92,7 +119,9 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--sizes", default="1,16,64", help="concurrent request counts")
-    parser.add_argument("--sequential", type=int, default=8, help="requests timed one by one")
+    parser.add_argument(
+        "--sequential", type=int, default=4, help="requests of each set timed one by one"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     engine = Engine(
@@ -124,39 +153,41 @@ def main() -> None:
         "max_tokens": T,
     }
 
-    seq_requests = make_requests(vocab, args.sequential, T)
-    seq_s, seq_other = timed(lambda: [engine.sample_batch([r]) for r in seq_requests], 1)
-    seq_rate = len(seq_requests) * T / seq_s
-    first = [replace(r, params=replace(r.params, max_tokens=1)) for r in seq_requests]
-    seq_ttft, _ = timed(lambda: engine.sample_batch([first[0]]), args.repeats)
-
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(ADAPTERS):
             engine.export_adapter(f"bench-sampling-{i}", Path(tmp) / str(i))
         generate = peft_generate(engine, args.model, Path(tmp))
-    hf_s, hf_other = timed(lambda: [generate(r) for r in seq_requests], 1)
-    hf_rate = len(seq_requests) * T / hf_s
-    hf_ttft, _ = timed(lambda: generate(first[0]), args.repeats)
-    report["sequential"] = {
-        "requests": len(seq_requests),
-        "engine_tokens_per_s": round(seq_rate, 1),
-        "transformers_generate_tokens_per_s": round(hf_rate, 1),
-        "engine_ttft_ms": round(seq_ttft * 1e3, 1),
-        "transformers_generate_ttft_ms": round(hf_ttft * 1e3, 1),
-        "other_load": [seq_other, hf_other],
-    }
+
+    def sample_alone(request: SampleRequest) -> None:
+        engine.sample_batch([request])
 
     for n in sizes:
         requests = make_requests(vocab, n, T)
+        alone = requests[: args.sequential]
         ones = [replace(r, params=replace(r.params, max_tokens=1)) for r in requests]
-        s, other = timed(functools.partial(engine.sample_batch, requests), args.repeats)
-        ttft, _ = timed(functools.partial(engine.sample_batch, ones), args.repeats)
-        rate = n * T / s
+        times, other = interleaved(
+            {
+                "concurrent": functools.partial(engine.sample_batch, requests),
+                "sequential": functools.partial(each, sample_alone, alone),
+                "generate": functools.partial(each, generate, alone),
+                "ttft_concurrent": functools.partial(engine.sample_batch, ones),
+                "ttft_alone": functools.partial(engine.sample_batch, ones[:1]),
+                "ttft_generate": functools.partial(generate, ones[0]),
+            },
+            args.repeats,
+        )
+        rate = n * T / times["concurrent"]
+        seq_rate = len(alone) * T / times["sequential"]
+        hf_rate = len(alone) * T / times["generate"]
         report[f"concurrent_{n}"] = {
             "tokens_per_s": round(rate, 1),
+            "sequential_tokens_per_s": round(seq_rate, 1),
+            "transformers_generate_tokens_per_s": round(hf_rate, 1),
             "ratio_over_sequential": round(rate / seq_rate, 2),
             "ratio_over_transformers_generate": round(rate / hf_rate, 2),
-            "ttft_ms_all_requests": round(ttft * 1e3, 1),
+            "ttft_ms_all_requests": round(times["ttft_concurrent"] * 1e3, 1),
+            "ttft_ms_one_request_alone": round(times["ttft_alone"] * 1e3, 1),
+            "ttft_ms_transformers_generate": round(times["ttft_generate"] * 1e3, 1),
             "other_load": other,
         }
     report["goals"] = {
