@@ -15,7 +15,8 @@ and MLP projection), requests of a 16-token prompt and `--max-tokens` sampled to
 Run: `python bench/sampling.py [--device cuda] [--threads 1]`. Timings are medians over
 `--repeats` after one warm-up, the measurements of one size taken in turn within each repeat
 so that a busy machine slows all of them alike; `other_load` is the share of the machine
-other processes used meanwhile (see bench/engine.py). Ratios are baseline time over engine time (higher is better).
+other processes used meanwhile (see bench/engine.py). Ratios are engine tokens/s over the
+baseline's (higher is better).
 """
 
 from __future__ import annotations
