@@ -21,6 +21,7 @@ from api.routes import (
     artifacts,
     audit,
     billing_usage,
+    chat,
     checkpoints,
     client,
     cost_estimate,
@@ -126,6 +127,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         cost_estimate,
         registry,
         oai,
+        chat,
     ):
         app.include_router(module.router)
     # The last added runs first: hosts are checked before a body is read, and the size limit
