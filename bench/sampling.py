@@ -1,8 +1,9 @@
 """Sampling benchmark on CPU or GPU; prints one JSON object.
 
-On a built-in tiny model (default the ~10M one) with 4 LoRA adapters (rank 16, every attention
-and MLP projection), requests of a 16-token prompt and `--max-tokens` sampled tokens each
-(temperature 1, no early stop), cycling through the adapters:
+On a built-in tiny model (default the ~10M one) with 4 LoRA adapters (rank 16 on every
+attention and MLP projection and the unembedding), requests of a 16-token prompt and
+`--max-tokens` sampled tokens each (temperature 1, no early stop), cycling through the
+adapters:
 1. concurrent: tokens/s of 1, 16 and 64 requests sent in one `Engine.sample_batch`;
 2. sequential: the same engine, the first `--sequential` requests of the set sent one
    `sample_batch` at a time (a rate, so a few requests suffice);
