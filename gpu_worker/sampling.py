@@ -113,6 +113,12 @@ def _by_adapter(adapters: list[LoraAdapter | None]) -> list[int]:
     return sorted(range(len(group)), key=group.__getitem__)
 
 
+def _full_attention(cache: Any) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def _pad_left(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     if n == 0:
         return x
@@ -299,19 +305,17 @@ class Sampler:
         params: RowParams,
     ) -> None:
         """Append new rows to the running batch, left-padding the shorter cache."""
-        from transformers.cache_utils import DynamicLayer
-
         assert self._mask_AL is not None and self._stop_AS is not None
         assert self._pos_A is not None and self._next_AV is not None
         assert self._params is not None
         L, P = self._mask_AL.shape[1], mask_BP.shape[1]
         T = max(L, P)
+        if not (_full_attention(self._cache) and _full_attention(cache)):
+            raise NotImplementedError(
+                "adding jobs to a running decode loop needs full-attention cache layers; "
+                "sample this model's jobs in one batch (sample_jobs) instead"
+            )
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
-            if type(old) is not DynamicLayer or type(new) is not DynamicLayer:
-                raise NotImplementedError(
-                    "adding jobs to a running decode loop needs full-attention cache layers; "
-                    "sample this model's jobs in one batch (sample_jobs) instead"
-                )
             for name in ("keys", "values"):
                 o, n = getattr(old, name), getattr(new, name)
                 setattr(old, name, torch.cat([_pad_left(o, T - L, 2), _pad_left(n, T - P, 2)]))
@@ -346,9 +350,10 @@ class Sampler:
         self._params = self._params.select(index_A, [r.job.params for r in self._rows])
         if self._next_AV is not None:
             self._next_AV = self._next_AV[index_A]
-        # columns that are padding for every remaining row are dropped from the cache
+        # columns that are padding for every remaining row are dropped from the cache (a
+        # sliding-window layer keeps fewer columns than the mask: such caches stay as they are)
         first = int(self._mask_AL.any(dim=0).int().argmax())
-        if first > 0:
+        if first > 0 and _full_attention(self._cache):
             self._mask_AL = self._mask_AL[:, first:]
             for layer in self._cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
