@@ -52,7 +52,7 @@ class Job:
     prompt_top: tuple[np.ndarray, np.ndarray] | None = None  # ids (P, k), logprobs (P, k)
 
 
-class _StopText:
+class StopText:
     """Incremental detokenization of one row: finds stop strings in the new text only."""
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
@@ -77,7 +77,7 @@ class _StopText:
 @dataclass
 class _Row:
     job: Job
-    stop_text: _StopText | None
+    stop_text: StopText | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -267,9 +267,7 @@ class Sampler:
         for r, job in enumerate(jobs):
             seed = job.params.seed if job.params.seed is not None else secrets.randbits(62)
             for i in range(job.num_samples):
-                stop_text = (
-                    _StopText(self.tokenizer, job.stop_strings) if job.stop_strings else None
-                )
+                stop_text = StopText(self.tokenizer, job.stop_strings) if job.stop_strings else None
                 rows.append(_Row(job, stop_text))
                 expand.append(r)
                 keys.append(row_key(seed, i))

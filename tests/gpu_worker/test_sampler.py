@@ -12,7 +12,7 @@ import torch
 from gpu_worker.catalog import Catalog
 from gpu_worker.lora import LoraAdapter, adapter_shapes, inject
 from gpu_worker.protocol import LoraSpec, SampleRequest, SamplingParams
-from gpu_worker.sampling import Job, Sampler
+from gpu_worker.sampling import Job, Sampler, StopText
 from gpu_worker.token_choice import RowParams, choose, row_key
 from tests.gpu_worker.helpers import TINY, sample, training_run
 from tests.gpu_worker.reference import hooked_lora
@@ -194,3 +194,18 @@ def test_seeded_choice_draws_from_the_filtered_distribution(top_k, top_p, temper
     # a step later the same rows draw again, differently
     again = choose(logits_V.expand(n, -1), rows, torch.ones(n, dtype=torch.long))
     assert (again != chosen).any()
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "stops_at"),
+    [("ab😀cd", "😀c", "c"), ("ab😀cd", "b😀", "😀"), ("xé€y", "€", "€"), ("abcabd", "abd", "d")],
+)
+def test_stop_text_finds_strings_across_tokens_and_split_characters(parts, text, stop, stops_at):
+    tokenizer = parts[2]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stop_text = StopText(tokenizer, [stop])
+    hits = [k for k in range(1, len(ids) + 1) if stop_text.push(ids[:k])]
+    # it fires once, on the token that completes the stop string's last character
+    (k,) = hits
+    assert stop in tokenizer.decode(ids[:k]) and stop not in tokenizer.decode(ids[: k - 1])
+    assert tokenizer.decode(ids[:k]).endswith(stops_at)
