@@ -21,7 +21,9 @@ MAX_STOP_SEQUENCES = 4
 class ParamError(InvalidInput):
     """A request parameter `/oai/v1` refuses; `param` names it in OpenAI's error body."""
 
-    def __init__(self, param: str, message: str, *, code: ErrorCode | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: ErrorCode | None = None
+    ) -> None:
         super().__init__(message, code=code)
         self.param = param
 
@@ -39,8 +41,8 @@ class Sampling:
 
 def _unsupported(param: str, why: str) -> ParamError:
     return ParamError(
-        param,
         f"{param} is not supported by this server ({why}); leave it unset",
+        param=param,
         code=ErrorCode.UNSUPPORTED,
     )
 
@@ -60,22 +62,24 @@ def _common(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | N
     if body.logit_bias:
         raise _unsupported("logit_bias", "the sampler takes no per-token biases")
     if not 1 <= body.n <= MAX_N:
-        raise ParamError("n", f"n={body.n} is outside 1..{MAX_N}; ask for fewer choices")
+        raise ParamError(f"n={body.n} is outside 1..{MAX_N}; ask for fewer choices", param="n")
     temperature = 1.0 if body.temperature is None else body.temperature
     if not 0 <= temperature <= 2:
-        raise ParamError("temperature", f"temperature={temperature} is outside 0..2")
+        raise ParamError(
+            f"temperature={temperature} is outside 0..2; pass a value in 0..2", param="temperature"
+        )
     top_p = 1.0 if body.top_p is None else body.top_p
     if not 0 < top_p <= 1:
-        raise ParamError("top_p", f"top_p={top_p} is outside (0, 1]; pass a value above 0")
+        raise ParamError(f"top_p={top_p} is outside (0, 1]; pass a value above 0", param="top_p")
     if max_tokens is not None and max_tokens < 1:
-        raise ParamError("max_tokens", f"max_tokens={max_tokens} must be at least 1")
+        raise ParamError(f"max_tokens={max_tokens} must be at least 1", param="max_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
         raise ParamError(
-            "stop", f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings; pass fewer"
+            f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings; pass fewer", param="stop"
         )
     if body.stream_options is not None and not body.stream:
-        raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        raise ParamError("stream_options is only allowed with stream=true", param="stream_options")
     return Sampling(
         n=body.n,
         temperature=temperature,
@@ -91,7 +95,7 @@ def chat(body: ChatCompletionRequest) -> Sampling:
     """The sampling a chat completion asks for; refuses what cannot be honoured."""
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise ParamError(
-            "max_completion_tokens", "pass max_completion_tokens or max_tokens, not both"
+            "pass max_completion_tokens or max_tokens, not both", param="max_completion_tokens"
         )
     no_tools = "the served models are sampled as plain text, with no tool calling"
     for name in ("tools", "functions"):
@@ -122,7 +126,10 @@ def chat(body: ChatCompletionRequest) -> Sampling:
             "without top_logprobs",
         )
     if body.top_logprobs is not None and not body.logprobs:
-        raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
+        raise ParamError(
+            "top_logprobs needs logprobs=true; set logprobs or drop top_logprobs",
+            param="top_logprobs",
+        )
     for i, message in enumerate(body.messages):
         if message.role in ("tool", "function") or message.tool_calls or message.tool_call_id:
             raise _unsupported(f"messages.{i}", "no tool calling")

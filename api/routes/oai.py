@@ -335,14 +335,14 @@ def _prompt_tokens(body: CompletionRequest, tok: ServedTokenizer) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
-            raise ParamError("prompt", "send one prompt per request (a string or token ids)")
+            raise ParamError("send one prompt per request (a string or token ids)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tok.encode(prompt, special_tokens=True)
     vocabulary = tok.tokenizer.get_vocab_size()
     tokens = [int(t) for t in prompt]
     if any(not 0 <= t < vocabulary for t in tokens):
-        raise ParamError("prompt", f"prompt token ids must lie in 0..{vocabulary - 1}")
+        raise ParamError(f"prompt token ids must lie in 0..{vocabulary - 1}", param="prompt")
     return tokens
 
 
