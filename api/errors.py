@@ -23,6 +23,7 @@ from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
+from starlette.types import Scope
 
 from api.refusals import ORDERED_ROUTES, keep_place
 from api.validation import describe
@@ -97,7 +98,17 @@ _OPENAI_TYPES = {
 def for_caller(request: Request, response: JSONResponse, param: str | None = None) -> JSONResponse:
     """The error as the route's clients read errors: Treadle's body, or under `/oai/` OpenAI's
     (`param` names the request parameter at fault), with an invalid request answered 400."""
-    if not request.url.path.startswith(OPENAI_PREFIX):
+    return for_path(request.url.path, response, param)
+
+
+def for_scope(scope: Scope, status: int, code: ErrorCode, message: str) -> JSONResponse:
+    """An error a middleware answers before any route runs, in the format of the path's
+    clients (`for_caller`)."""
+    return for_path(scope.get("path", ""), error_response(status, code, message))
+
+
+def for_path(path: str, response: JSONResponse, param: str | None = None) -> JSONResponse:
+    if not path.startswith(OPENAI_PREFIX):
         return response
     body = json.loads(bytes(response.body))
     status = 400 if response.status_code == 422 else response.status_code

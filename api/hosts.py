@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import error_response
+from api.errors import for_scope
 from api.validation import clip
 from core.errors import ErrorCode
 
@@ -52,7 +52,8 @@ class AllowedHosts:
             await self.app(scope, receive, send)
             return
         shown = clip(host, 100) if host else "(none)"
-        response = error_response(
+        response = for_scope(
+            scope,
             400,
             ErrorCode.HOST_NOT_ALLOWED,
             f"this server does not answer for host {shown!r}; address it by one of its "

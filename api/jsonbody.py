@@ -20,7 +20,7 @@ import re
 import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_response
+from api.errors import for_scope
 from core.errors import ErrorCode
 
 MAX_JSON_DEPTH = 64
@@ -134,7 +134,7 @@ class JsonBodyGuard:
         body = b"".join(chunks)
         problem = body_problem(body, self.max_depth)
         if problem is not None:
-            await error_response(422, ErrorCode.INVALID_INPUT, problem)(scope, receive, send)
+            await for_scope(scope, 422, ErrorCode.INVALID_INPUT, problem)(scope, receive, send)
             return
         replayed = False
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_response
+from api.errors import for_scope
 from core.errors import ErrorCode
 
 
@@ -27,7 +27,7 @@ class BodySizeLimit:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, self._message())(
+                await for_scope(scope, 413, ErrorCode.PAYLOAD_TOO_LARGE, self._message())(
                     scope, receive, send
                 )
                 return
@@ -41,7 +41,7 @@ class BodySizeLimit:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     responded = True
-                    await error_response(413, ErrorCode.PAYLOAD_TOO_LARGE, self._message())(
+                    await for_scope(scope, 413, ErrorCode.PAYLOAD_TOO_LARGE, self._message())(
                         scope, receive, send
                     )
                     return {"type": "http.disconnect"}

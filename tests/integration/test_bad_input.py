@@ -127,8 +127,13 @@ def _assert_bounded_refusal(response: Any, *fragments: str) -> str:
     assert 400 <= response.status_code < 500, response.text[:500]
     assert len(response.content) <= MAX_REPLY_BYTES, len(response.content)
     body = json.loads(response.content)  # valid JSON, without NaN or Infinity tokens
-    assert body["category"] == "user" and response.headers["x-should-retry"] == "false"
-    detail: str = body["detail"]
+    assert response.headers["x-should-retry"] == "false"
+    if response.url.path.startswith("/oai/"):  # OpenAI's error format
+        assert body["error"]["type"] == "invalid_request_error"
+        detail: str = body["error"]["message"]
+    else:
+        assert body["category"] == "user"
+        detail = body["detail"]
     for fragment in fragments:
         assert fragment in detail, detail
     return detail

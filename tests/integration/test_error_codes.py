@@ -136,6 +136,40 @@ def test_framework_answers_carry_codes(app: EmbeddedApp) -> None:
     assert _code(client.get("/hf/api/models/not/served"), 404) == "not_found"
 
 
+def _openai_code(response: Any, status: int, kind: str = "invalid_request_error") -> str:
+    """The code of an error in OpenAI's body, which every answer under /oai/ has."""
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["type"] == kind
+    code: str = error["code"]
+    assert code in CODES
+    return code
+
+
+def test_framework_answers_under_oai_are_in_openais_format(app: EmbeddedApp) -> None:
+    """The middlewares answer before any route runs; under /oai/ they speak OpenAI's format
+    too, with an invalid request as a 400, as the OpenAPI document says."""
+    headers = app.tenant()
+    client = app.client
+    url = "/oai/v1/completions"
+    json_headers = {**headers, "Content-Type": "application/json"}
+    garbled = client.post(url, content=b'{"model": "\xff"}', headers=json_headers)
+    assert _openai_code(garbled, 400) == "invalid_input"
+    non_finite = client.post(
+        url, content=b'{"model": "m", "temperature": NaN}', headers=json_headers
+    )
+    assert _openai_code(non_finite, 400) == "invalid_input"
+    deep = client.post(url, content=b"[" * 100 + b"]" * 100, headers=json_headers)
+    assert _openai_code(deep, 400) == "invalid_input"
+    big = client.post(url, json={"model": MODEL, "prompt": "x" * 30_000}, headers=headers)
+    assert _openai_code(big, 413) == "payload_too_large"
+    elsewhere = client.get("/oai/v1/models", headers={**headers, "Host": "evil.example"})
+    assert _openai_code(elsewhere, 400) == "host_not_allowed"
+    assert _openai_code(client.get("/oai/v1/nothing", headers=headers), 404, "not_found_error") == (
+        "unknown_endpoint"
+    )
+
+
 def test_domain_answers_carry_codes(app: EmbeddedApp) -> None:
     assert _code(app.post({}, "create_session", {}), 401) == "unauthenticated"
     assert _code(app.post({"X-API-Key": "tml-nope"}, "create_session", {}), 401) == (

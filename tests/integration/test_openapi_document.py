@@ -17,6 +17,9 @@ from tests.server import AppFactory
 pytestmark = pytest.mark.integration
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
+# Under /oai/ errors have OpenAI's body (`{"error": {...}}`, api/oai_types.py).
+OPENAI_PREFIX = "/oai/"
+OPENAI_ERROR_REF = "#/components/schemas/ErrorBody"
 # Operations a client reaches without an API key.
 PUBLIC = {
     ("get", "/api/v1/healthz"),
@@ -103,21 +106,31 @@ def test_errors_and_the_api_key_are_documented_once(
             "in": "header",
             "name": "X-API-Key",
             "description": schemes["ApiKey"]["description"],
-        }
+        },
+        # OpenAI's clients send the key as a bearer token (/oai/ only).
+        "Bearer": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": schemes["Bearer"]["description"],
+        },
     }
     assert "HTTPValidationError" not in document["components"]["schemas"]
     for method, path, operation in operations(document):
+        openai = path.startswith(OPENAI_PREFIX)
         errors = {s: r for s, r in operation["responses"].items() if not s.startswith("2")}
         for status, response in errors.items():
             schema = response["content"]["application/json"]["schema"]
-            assert schema == {"$ref": ERROR_REF}, (method, path, status)
+            expected = OPENAI_ERROR_REF if openai else ERROR_REF
+            assert schema == {"$ref": expected}, (method, path, status)
         if (method, path) in PUBLIC:
             assert "security" not in operation, (method, path)
             continue
-        assert operation["security"] == [{"ApiKey": []}], (method, path)
+        security = [{"Bearer": []}, {"ApiKey": []}] if openai else [{"ApiKey": []}]
+        assert operation["security"] == security, (method, path)
         assert {"401", "403"} <= set(errors), (method, path)
         if "requestBody" in operation:
-            assert {"413", "422"} <= set(errors), (method, path)
+            # OpenAI's clients expect an invalid request as a 400.
+            assert {"413", "400" if openai else "422"} <= set(errors), (method, path)
 
 
 def test_raw_bodies_are_described(client_and_key: tuple[TestClient, str]) -> None:
