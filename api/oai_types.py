@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from treadle.types.bounds import Seed
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -53,7 +55,8 @@ class _Sampling(_Request):
     top_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # The sampler's seeds are unsigned 64-bit, as on the Tinker protocol's wire.
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None

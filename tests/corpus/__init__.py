@@ -164,7 +164,28 @@ def valid_bodies(ids: Ids, seq_ids: Iterator[int]) -> dict[str, dict[str, Any]]:
             "session_id": ids.session_id,
             "process_uuid": "p",
         },
+        # The OpenAI-compatible completions, named by their whole path (see `url_of`).
+        "/oai/v1/completions": {
+            "model": "treadle/tiny-1m",
+            "prompt": "hello",
+            "max_tokens": 2,
+            "temperature": 1.0,
+            "seed": 1,
+            "stop": ["\n"],
+        },
+        "/oai/v1/chat/completions": {
+            "model": ids.sampler_id,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 2,
+            "top_p": 0.9,
+            "logprobs": True,
+        },
     }
+
+
+def url_of(route: str) -> str:
+    """The URL of a route `valid_bodies` names: a whole path, or one under /api/v1/."""
+    return route if route.startswith("/") else f"/api/v1/{route}"
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:

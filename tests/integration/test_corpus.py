@@ -126,7 +126,7 @@ def test_every_broken_request_is_refused_while_another_tenant_trains(app: Embedd
     for case in _cases(app, ids):
         response = app.client.request(
             case.method,
-            f"/api/v1/{case.route}",
+            corpus.url_of(case.route),
             content=case.body,
             headers={**attacker, **case.headers},
         )
@@ -183,7 +183,7 @@ def test_poison_ops_batched_with_another_tenants_op_fail_alone(app: EmbeddedApp)
 def test_corpus_covers_every_route_that_takes_a_json_body(app: EmbeddedApp) -> None:
     ids = corpus.Ids("s", "s:train:0", "s:train:1", "tinker://s:train:0/weights/ck", "s:1", "r")
     covered = (
-        {f"/api/v1/{route}" for route in corpus.valid_bodies(ids, itertools.count(1))}
+        {corpus.url_of(route) for route in corpus.valid_bodies(ids, itertools.count(1))}
         | {"/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl"}
         | corpus.REGISTRY_TEMPLATES
     )
@@ -198,8 +198,5 @@ def test_corpus_covers_every_route_that_takes_a_json_body(app: EmbeddedApp) -> N
     elsewhere = {
         "/api/v1/cancel_future",
         "/api/v1/sessions/{session_id}/finish",
-        # OpenAI-compatible completions: the cross-tenant, fuzz and openai-client tests.
-        "/oai/v1/chat/completions",
-        "/oai/v1/completions",
     }
     assert taking_json - elsewhere <= covered, sorted(taking_json - elsewhere - covered)
