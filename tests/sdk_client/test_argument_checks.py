@@ -111,7 +111,7 @@ CASES: list[tuple[str, Call, str]] = [
     (
         "create_sampling_client",
         lambda s, t, p: s.create_sampling_client(model_path="runs/x/sampler_weights/y"),
-        "must start with tinker://",
+        "is neither a tinker:// path",
     ),
     (
         "create_sampling_client neither",
