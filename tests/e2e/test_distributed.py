@@ -135,6 +135,55 @@ def test_many_runs_on_two_workers_keep_order_and_run_each_op_once(
             assert finished <= started  # each op started only after the previous one finished
 
 
+def test_live_sampling_runs_on_the_runs_worker_and_follows_it_when_that_worker_dies(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    """`live:<run id>` samples the run's current weights where the run is held; after that
+    worker is killed (kill -9), the next live sample follows the run to the other worker."""
+    group, database, make_tenant = running
+    prompt = tinker.types.ModelInput.from_ints([11, 12, 13, 14, 15, 16])
+    service = tinker.ServiceClient(base_url=group.api_urls["a1"], api_key=make_tenant().key)
+    trainer = service.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
+    run_id = trainer.model_id
+    trainer.forward_backward(BATCH, "cross_entropy").result(timeout=300)
+    trainer.optim_step(ADAM).result(timeout=300)
+    live = service.create_sampling_client(model_path=f"tinker://live:{run_id}").result()
+    saved_path = trainer.save_weights_for_sampler("step1").result(timeout=300).path
+    saved = service.create_sampling_client(model_path=saved_path).result()
+
+    def logprobs(client: tinker.SamplingClient) -> list[float]:
+        return [v for v in client.compute_logprobs(prompt).result(timeout=300) if v is not None]
+
+    def live_sample_workers() -> list[str | None]:
+        with database.reader() as db:
+            sampler = live._sampling_session_id
+            return list(
+                db.scalars(
+                    select(Operation.worker_id)
+                    .where(Operation.target_id == sampler)
+                    .order_by(Operation.created_at)
+                )
+            )
+
+    def holder() -> str | None:
+        with database.reader() as db:
+            return db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == run_id))
+
+    at_step1 = logprobs(live)
+    assert at_step1 == pytest.approx(logprobs(saved), abs=1e-5)
+    first = holder()
+    assert first in group.workers and live_sample_workers() == [first]
+
+    group.kill(group.workers[first])
+    after_kill = logprobs(live)  # waits out the dead worker's lease, then the run moves
+    second = holder()
+    assert second in group.workers and second != first
+    assert live_sample_workers() == [first, second]
+    assert after_kill == pytest.approx(at_step1, abs=1e-5)  # the same weights, rebuilt there
+    group.start_worker(f"{first}-again")  # the later tests have two workers again
+    service.close("success").result(timeout=60)
+
+
 def test_killed_worker_costs_latency_not_errors(
     running: tuple[Cluster, Database, TenantFactory], embedded_losses: dict[int, list[float]]
 ) -> None:
