@@ -5,9 +5,10 @@ future, checkpoints of each kind (published and not), download links. Every rout
 reference is then called by tenant B with each of A's objects that fits it, and must answer
 exactly as it answers a made-up reference of the same form: the same status and the same body
 once the made-up id is put in place of A's. The one exception is publication: a published
-checkpoint may be read where publication allows it (sampled, loaded, its weights_info, its run's
-view with `access_scope=accessible`), and a download link the server signed is itself the
-permission. A's rows are unchanged afterwards. Listings of the caller's own objects (sessions,
+checkpoint may be read where publication allows it (sampled, through /api/v1 and /oai/v1
+alike; loaded; its weights_info; its run's view with `access_scope=accessible`), and a download
+link the server signed is itself the permission. A run's current weights (`live:<run id>`) are
+never published: sampling another tenant's run live answers as a made-up run does. A's rows are unchanged afterwards. Listings of the caller's own objects (sessions,
 runs, checkpoints, usage, storage, the audit log) show B's and none of A's, and every route
 but the few that say why refuses a caller without an API key.
 
@@ -77,6 +78,7 @@ class Kind(enum.Enum):
     SAMPLER = "sampling session"
     REQUEST = "request id"
     CHECKPOINT = "checkpoint"  # a tinker:// path, or run_id + kind + name in a URL
+    LIVE = "live training run"  # live:<run id>: a run's current weights, never published
     LINK = "download link"  # token + relpath in a URL
     ARCHIVE = "archive link"  # token + archive name in a URL
     PACKAGE = "registry package"  # its name
@@ -169,6 +171,7 @@ def _oai(body: dict[str, Any]) -> Route:
         (
             Call({("model",): SAMPLER}, body=body),
             Call({("model",): CHECKPOINT}, body=body, public_ref=("model",)),
+            Call({("model",): Kind.LIVE}, body=body),
         )
     )
 
@@ -291,6 +294,10 @@ ROUTES: dict[tuple[str, str], Route] = {
                 {("session_id",): SESSION, ("model_path",): CHECKPOINT},
                 body={"sampling_session_seq_id": Marker.FRESH},
                 public_ref=("model_path",),
+            ),
+            Call(
+                {("session_id",): SESSION, ("model_path",): Kind.LIVE},
+                body={"sampling_session_seq_id": Marker.FRESH},
             ),
         )
     ),
@@ -616,6 +623,11 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
         SAMPLER: [like(sampler, label="A's sampling session")],
         REQUEST: [Obj("A's future", request, fake_request)],
         CHECKPOINT: [like(p) for p in private] + [like(p, public=True) for p in public],
+        # Publishing a checkpoint publishes that checkpoint, not the run's weights as they train.
+        Kind.LIVE: [
+            like(f"live:{run1}", label="A's run with published checkpoints, live"),
+            like(f"tinker://live:{run2}", label="A's run, live, as the tinker SDK names it"),
+        ],
         PACKAGE: [
             like(run1, label="A's run's package"),
             Obj("A's own package", "a-prod", "z-prod"),
@@ -677,6 +689,7 @@ def _make_world(client: TestClient, database: Database, settings: Settings) -> W
         SAMPLER: b_sampler,
         REQUEST: b_request,
         CHECKPOINT: b_checkpoint,
+        Kind.LIVE: f"live:{b_run}",
     }
     world.b_run_seqs = itertools.count(2)
     return world
