@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 from typing import Annotated
 
-from fastapi import Depends, Security
+from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
@@ -51,10 +51,17 @@ _RECHECK_SECONDS = 1.0
 
 
 def get_principal(
+    request: Request,
     state: State,
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
     header: Annotated[str | None, Security(API_KEY_HEADER)],
 ) -> Principal:
+    if bearer is None and request.headers.get("authorization"):
+        # A credential that cannot be read is refused, never passed over for another one.
+        raise AuthenticationFailed(
+            "the Authorization header holds no bearer token; send `Authorization: Bearer <key>` "
+            "or leave the header out and send the key in X-API-Key"
+        )
     raw = bearer.credentials if bearer is not None else header
     if not raw:
         raise AuthenticationFailed(

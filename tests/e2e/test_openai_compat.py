@@ -230,3 +230,14 @@ def test_a_live_run_answers_with_its_current_weights_and_a_checkpoint_does_not_c
 def test_x_api_key_is_accepted_too(live_server: LiveServer, tenant: TenantKey) -> None:
     response = httpx.get(f"{live_server.base_url}/oai/v1/models", headers={"X-API-Key": tenant.key})
     assert response.status_code == 200 and response.json()["object"] == "list"
+
+
+def test_an_unreadable_authorization_header_is_refused_even_beside_a_good_key(
+    live_server: LiveServer, tenant: TenantKey
+) -> None:
+    url = f"{live_server.base_url}/oai/v1/models"
+    for authorization in (f"Basic {tenant.key}", "Bearer", "garbage"):
+        response = httpx.get(url, headers={"X-API-Key": tenant.key, "Authorization": authorization})
+        assert response.status_code == 401, (authorization, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "authentication_error" and "Bearer <key>" in error["message"]
