@@ -18,6 +18,7 @@ from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
 from core.tables import ModelVersion, Operation, Session, TrainingRun, Worker
+from scheduler.ops import OpKind
 from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
 from tests.scenarios import ADAM, BATCH, MODEL, scenario
@@ -142,7 +143,9 @@ def test_live_sampling_runs_on_the_runs_worker_and_follows_it_when_that_worker_d
     worker is killed (kill -9), the next live sample follows the run to the other worker."""
     group, database, make_tenant = running
     prompt = tinker.types.ModelInput.from_ints([11, 12, 13, 14, 15, 16])
-    service = tinker.ServiceClient(base_url=group.api_urls["a1"], api_key=make_tenant().key)
+    tenant = make_tenant()
+    key, tenant_id = tenant.key, tenant.tenant_id
+    service = tinker.ServiceClient(base_url=group.api_urls["a1"], api_key=key)
     trainer = service.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
     run_id = trainer.model_id
     trainer.forward_backward(BATCH, "cross_entropy").result(timeout=300)
@@ -180,6 +183,22 @@ def test_live_sampling_runs_on_the_runs_worker_and_follows_it_when_that_worker_d
     assert second in group.workers and second != first
     assert live_sample_workers() == [first, second]
     assert after_kill == pytest.approx(at_step1, abs=1e-5)  # the same weights, rebuilt there
+    # /oai/v1 samples it there too, through the other API replica.
+    answer = httpx.post(
+        f"{group.api_urls['a2']}/oai/v1/completions",
+        json={"model": f"live:{run_id}", "prompt": prompt.to_ints(), "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=300,
+    )
+    assert answer.status_code == 200, answer.text
+    with database.reader() as db:
+        served_on = db.scalar(
+            select(Operation.worker_id)
+            .where(Operation.tenant_id == tenant_id, Operation.kind == OpKind.SAMPLE)
+            .order_by(Operation.created_at.desc())
+            .limit(1)
+        )
+    assert served_on == second
     group.start_worker(f"{first}-again")  # the later tests have two workers again
     service.close("success").result(timeout=60)
 
