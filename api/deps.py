@@ -74,6 +74,11 @@ API_KEY_HEADER = APIKeyHeader(
 
 
 def get_principal(state: State, raw: Annotated[str | None, Security(API_KEY_HEADER)]) -> Principal:
+    return authenticate(state, raw)
+
+
+def authenticate(state: AppState, raw: str | None) -> Principal:
+    """The principal of API key `raw`, however it was sent."""
     # A read, so authentication never waits for the database's write lock; the last-used time
     # is written at most once a minute per key.
     with state.database.reader() as db:

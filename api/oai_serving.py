@@ -23,21 +23,19 @@ from sqlalchemy.orm import Session as OrmSession
 from starlette.concurrency import run_in_threadpool
 
 from api.chat_templates import ServedTokenizer, load
-from api.deps import API_KEY_HEADER, AppState, State
+from api.deps import API_KEY_HEADER, AppState, State, authenticate
 from api.oai_params import Sampling
-from api.submission import in_submission, open_live_sampler, require_session
+from api.submission import in_submission, open_live_sampler, queue_sample, require_session
 from billing import estimate
-from billing.estimate import Estimate
-from core import apikeys, checkpoints, references, runs, sessions
+from core import checkpoints, references, runs, sessions
 from core.apikeys import Principal
-from core.errors import AuthenticationFailed, ErrorCode, InvalidInput, NotFound, RateLimited
+from core.errors import AuthenticationFailed, ErrorCode, InvalidInput, NotFound
 from core.settings import Mode
 from core.tables import ModelPackage, ModelVersion, SamplingSession
-from scheduler import oplog
 from scheduler.futures import FutureState, read_future
-from scheduler.ops import PROTO, OpKind, encode_json_payload
+from scheduler.ops import PROTO
 from scheduler.served import tokenizer_key
-from scheduler.submit import Submitted, submit
+from scheduler.submit import Submitted
 from treadle.types import ModelInput, SampleRequest, SampleResponse, SamplingParams
 from treadle.wire import decode_sample_response
 
@@ -68,12 +66,7 @@ def get_principal(
             "missing API key; send it as `Authorization: Bearer <key>` (the OpenAI client's "
             "api_key) or in the X-API-Key header"
         )
-    with state.database.reader() as db:
-        principal = apikeys.authenticate(db, state.clock, state.server_secret, raw)
-    if principal.stale_last_used:
-        with state.database.transaction() as db:
-            apikeys.touch(db, state.clock, principal.key_id)
-    return principal
+    return authenticate(state, raw)
 
 
 OaiPrincipal = Annotated[Principal, Depends(get_principal)]
@@ -271,29 +264,9 @@ def submit_sample(
 
     def work(db: OrmSession) -> tuple[str, Submitted]:
         target = resolve_target(db, state, principal, model)
-        queued = oplog.queued_samples(db)
-        if queued >= state.settings.max_queued_samples:
-            raise RateLimited(
-                f"the sampling queue is full ({queued} requests waiting); retry shortly",
-                retry_after_seconds=1.0,
-            )
-        body = request.model_copy(update={"sampling_session_id": target.sampler_id})
-        payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
         sampler = db.get(SamplingSession, target.sampler_id)
         assert sampler is not None
-        return target.sampler_id, submit(
-            db,
-            state.clock,
-            tenant_id=principal.tenant_id,
-            session_id=sampler.session_id,
-            target_id=target.sampler_id,
-            seq_id=None,
-            kind=OpKind.SAMPLE,
-            payload=payload,
-            payload_codec=codec,
-            api_key_id=principal.key_id,
-            estimate=None if usage is None else Estimate(target.base_model, usage),
-        )
+        return sampler.id, queue_sample(db, state, principal, sampler, request, usage)
 
     _, submitted = in_submission(state, work)
     return submitted.request_id

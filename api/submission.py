@@ -8,16 +8,18 @@ from typing import Any
 from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import AppState
+from billing.estimate import Estimate
 from billing.ledger import UsageLine
-from core import runs, sessions
+from core import checkpoints, runs, sessions
 from core.apikeys import Principal
-from core.errors import ErrorCode, InvalidInput, SessionExpired, TreadleError
+from core.errors import ErrorCode, InvalidInput, RateLimited, SessionExpired, TreadleError
 from core.ids import training_run_id
-from core.tables import RunStatus, SamplingSession, Tenant, TrainingRun
+from core.tables import ModelVersion, RunStatus, SamplingSession, Tenant, TrainingRun
+from scheduler import oplog
 from scheduler.admission import admit_training_run
 from scheduler.ops import OpKind, encode_json_payload, refused
 from scheduler.submit import Submitted, submit, submit_training_op
-from treadle.types import UntypedAPIFuture
+from treadle.types import SampleRequest, UntypedAPIFuture
 
 
 def active_run(db: OrmSession, state: AppState, principal: Principal, model_id: str) -> TrainingRun:
@@ -67,6 +69,55 @@ def open_live_sampler(
         model_path=runs.LIVE_PREFIX + run.id,
         training_run_id=run.id,
         model_version_id=None,
+    )
+
+
+def queue_sample(
+    db: OrmSession,
+    state: AppState,
+    principal: Principal,
+    sampler: SamplingSession,
+    body: SampleRequest,
+    usage: tuple[UsageLine, ...] | None,
+) -> Submitted:
+    """Queue one `sample` op on `sampler` for `/asample` and `/oai/v1` alike.
+
+    Access to saved weights can end after the sampling session was created (deleted,
+    unpublished), and a live run's weights live only while its session does: both are
+    refused here, and the worker checks again before sampling. A full queue is backpressure
+    (the tinker SDK waits and resubmits the same seq_id).
+    """
+    require_session(db, state, principal, sampler.session_id)
+    if sampler.model_version_id is not None:
+        checkpoints.require_sampleable(
+            db.get(ModelVersion, sampler.model_version_id),
+            principal.tenant_id,
+            state.clock,
+            sampler.model_path,
+        )
+    elif runs.is_live(sampler):
+        assert sampler.training_run_id is not None
+        runs.require_live(db, principal.tenant_id, sampler.training_run_id)
+    queued = oplog.queued_samples(db)
+    if queued >= state.settings.max_queued_samples:
+        raise RateLimited(
+            f"the sampling queue is full ({queued} requests waiting); retry shortly",
+            retry_after_seconds=1.0,
+        )
+    body = body.model_copy(update={"sampling_session_id": sampler.id})
+    payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
+    return submit(
+        db,
+        state.clock,
+        tenant_id=principal.tenant_id,
+        session_id=sampler.session_id,
+        target_id=sampler.id,
+        seq_id=body.seq_id,
+        kind=OpKind.SAMPLE,
+        payload=payload,
+        payload_codec=codec,
+        api_key_id=principal.key_id,
+        estimate=None if usage is None else Estimate(sampler.base_model, usage),
     )
 
 

@@ -8,16 +8,19 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import OP_ERRORS, error_responses
-from api.submission import check_base_model, in_submission, open_live_sampler, require_session
+from api.submission import (
+    check_base_model,
+    in_submission,
+    open_live_sampler,
+    queue_sample,
+    require_session,
+)
 from billing import estimate
-from billing.estimate import Estimate
 from core import checkpoints, runs
-from core.errors import InvalidInput, RateLimited
-from core.tables import ModelPackage, ModelVersion
-from scheduler import oplog
+from core.errors import InvalidInput
+from core.tables import ModelPackage
 from scheduler.convert import DEFAULT_MAX_TOKENS
-from scheduler.ops import OpKind, encode_json_payload
-from scheduler.submit import Submitted, submit
+from scheduler.submit import Submitted
 from treadle.types import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -126,43 +129,7 @@ def asample(body: SampleRequest, principal: CurrentPrincipal, state: State) -> U
 
     def work(db: OrmSession) -> tuple[str, Submitted]:
         sampler = runs.get_sampling_session(db, principal.tenant_id, sampler_id)
-        require_session(db, state, principal, sampler.session_id)
-        if sampler.model_version_id is not None:
-            # Access to saved weights can end after the session was created (deleted,
-            # unpublished): refuse here, and the worker checks again before sampling.
-            checkpoints.require_sampleable(
-                db.get(ModelVersion, sampler.model_version_id),
-                principal.tenant_id,
-                state.clock,
-                sampler.model_path,
-            )
-        elif runs.is_live(sampler):
-            # The run's weights live only while its session does: refuse once it ended, and
-            # the worker checks again before sampling.
-            assert sampler.training_run_id is not None
-            runs.require_live(db, principal.tenant_id, sampler.training_run_id)
-        queued = oplog.queued_samples(db)
-        if queued >= state.settings.max_queued_samples:
-            # Backpressure: the tinker SDK waits and resubmits the same seq_id.
-            raise RateLimited(
-                f"the sampling queue is full ({queued} requests waiting); retry shortly",
-                retry_after_seconds=1.0,
-            )
-        payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
-        submitted = submit(
-            db,
-            state.clock,
-            tenant_id=principal.tenant_id,
-            session_id=sampler.session_id,
-            target_id=sampler.id,
-            seq_id=body.seq_id,
-            kind=OpKind.SAMPLE,
-            payload=payload,
-            payload_codec=codec,
-            api_key_id=principal.key_id,
-            estimate=None if usage is None else Estimate(sampler.base_model, usage),
-        )
-        return sampler.id, submitted
+        return sampler.id, queue_sample(db, state, principal, sampler, body, usage)
 
     _, submitted = in_submission(state, work)
     return UntypedAPIFuture(
