@@ -64,6 +64,10 @@ def decode_payload(data: bytes, codec: str) -> bytes:
 
 REFUSED, REFUSED_CODE = "refused", "refused_code"
 
+STREAMED = "streamed"
+"""Set to true in a sample op's JSON payload (never sent on the wire) when its requester reads
+the tokens as they are chosen: the worker then publishes them (`Notifier.publish_progress`)."""
+
 
 def refused(message: str, code: ErrorCode = ErrorCode.INVALID_INPUT) -> dict[str, Any]:
     """The payload of a request refused at submission: it fails, in order, with `message` and
