@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import cast
 
-from sqlalchemy import Executable, Table, func, select
+from sqlalchemy import Executable, Table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
@@ -125,22 +125,3 @@ def record_usage(
     total = sum(amount for *_, amount in inserted)
     add_spend(db, tenant_id, now, total)
     return total
-
-
-def usage_by_model_and_kind(
-    db: OrmSession, tenant_id: str, *, since: datetime | None = None, until: datetime | None = None
-) -> list[tuple[str, str, int]]:
-    """The tenant's usage summed per (base model, kind) over [since, until)."""
-    query = select(UsageEvent.base_model, UsageEvent.kind, func.sum(UsageEvent.quantity)).where(
-        UsageEvent.tenant_id == tenant_id
-    )
-    if since is not None:
-        query = query.where(UsageEvent.created_at >= since)
-    if until is not None:
-        query = query.where(UsageEvent.created_at < until)
-    rows = db.execute(
-        query.group_by(UsageEvent.base_model, UsageEvent.kind).order_by(
-            UsageEvent.base_model, UsageEvent.kind
-        )
-    )
-    return [(model, kind, int(total)) for model, kind, total in rows]

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from billing.ledger import UsageLine, record_usage, usage_by_model_and_kind
+from billing.ledger import UsageLine, record_usage
 from billing.prices import cost_micros, rate_in_force
+from billing.reports import usage_totals
 from billing.spend import period_spend
 from billing.tables import UsageEvent, UsageRollup
 from tests.embedded_app import datum, embedded_app
@@ -37,6 +38,11 @@ def _record(rows: Rows, tenant_id: str, operation_id: str, lines: list[UsageLine
         )
 
 
+def _totals(rows: Rows, tenant_id: str) -> list[tuple[str, str, int]]:
+    with rows.database.reader() as db:
+        return [(t.base_model, t.kind, t.quantity) for t in usage_totals(db, tenant_id)]
+
+
 def _events(rows: Rows) -> list[tuple[str, str, int]]:
     with rows.database.reader() as db:
         return [
@@ -61,12 +67,11 @@ def test_recording_an_operation_twice_leaves_one_row_per_kind(rows: Rows) -> Non
         (op, "sampling_sample", 3),
         (op, "training", 10),
     ]
-    with rows.database.reader() as db:
-        assert usage_by_model_and_kind(db, tenant) == [
-            (MODEL, "checkpoint", 5),
-            (MODEL, "sampling_sample", 3),
-            (MODEL, "training", 10),
-        ]
+    assert _totals(rows, tenant) == [
+        (MODEL, "checkpoint", 5),
+        (MODEL, "sampling_sample", 3),
+        (MODEL, "training", 10),
+    ]
 
 
 def test_operations_are_counted_apart(rows: Rows) -> None:
@@ -75,8 +80,7 @@ def test_operations_are_counted_apart(rows: Rows) -> None:
     first, second = rows.ops(run)[0].id, rows.training_op(run, 1).request_id
     for op in (first, second, first):
         _record(rows, tenant, op, [UsageLine("training", 7)])
-    with rows.database.reader() as db:
-        assert usage_by_model_and_kind(db, tenant) == [(MODEL, "training", 14)]
+    assert _totals(rows, tenant) == [(MODEL, "training", 14)]
 
 
 def test_zero_quantities_write_nothing(rows: Rows) -> None:
