@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from core.ids import training_run_id
 from core.tables import ModelVersion, RunStatus, SamplingSession, Tenant, TrainingRun
 from scheduler import oplog
 from scheduler.admission import admit_training_run
-from scheduler.ops import OpKind, encode_json_payload, refused
+from scheduler.ops import STREAMED, OpKind, encode_json_payload, refused
 from scheduler.submit import Submitted, submit, submit_training_op
 from treadle.types import SampleRequest, UntypedAPIFuture
 
@@ -79,13 +80,18 @@ def queue_sample(
     sampler: SamplingSession,
     body: SampleRequest,
     usage: tuple[UsageLine, ...] | None,
+    *,
+    streamed: bool = False,
 ) -> Submitted:
-    """Queue one `sample` op on `sampler` for `/asample` and `/oai/v1` alike.
+    """Queue one `sample` op on `sampler` for `/asample` and `/oai/v1` alike; `streamed` asks
+    the worker to publish the tokens as they are chosen (`Notifier.publish_progress`).
 
     Access to saved weights can end after the sampling session was created (deleted,
     unpublished), and a live run's weights live only while its session does: both are
     refused here, and the worker checks again before sampling. A full queue is backpressure
-    (the tinker SDK waits and resubmits the same seq_id).
+    (the tinker SDK waits and resubmits the same seq_id). An unseeded request is given its seed
+    here, in the stored payload, so a sample re-run after a worker failure chooses the same
+    tokens as the run it replaces (text already streamed stays true).
     """
     require_session(db, state, principal, sampler.session_id)
     if sampler.model_version_id is not None:
@@ -104,8 +110,15 @@ def queue_sample(
             f"the sampling queue is full ({queued} requests waiting); retry shortly",
             retry_after_seconds=1.0,
         )
-    body = body.model_copy(update={"sampling_session_id": sampler.id})
-    payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
+    params = body.sampling_params
+    if params.seed is None:
+        # 62 bits, as the engine's own fallback draws.
+        params = params.model_copy(update={"seed": secrets.randbits(62)})
+    body = body.model_copy(update={"sampling_session_id": sampler.id, "sampling_params": params})
+    content = body.model_dump(mode="json", exclude_none=True)
+    if streamed:
+        content[STREAMED] = True
+    payload, codec = encode_json_payload(content)
     return submit(
         db,
         state.clock,
