@@ -9,12 +9,12 @@ result fills it in. In-process here; distributed mode publishes through Redis.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import threading
 import time
-from collections import defaultdict
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -25,26 +25,32 @@ Progress = dict[int, tuple[int, list[int]]]
 
 class ProgressWatch:
     """The progress messages of one op, queued on the event loop that reads them. Any thread may
-    deliver; only that loop reads."""
+    deliver; only that loop reads. Cancelling a `next` loses no message."""
 
     def __init__(self, op_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.op_id = op_id
         self._loop = loop
-        self._queue: asyncio.Queue[Progress] = asyncio.Queue()
+        self._messages: collections.deque[Progress] = collections.deque()
+        self._arrived = asyncio.Event()
 
     def deliver(self, progress: Progress) -> None:
         if self._loop.is_closed():
             return
         # The loop may close between the check and the call; the message is then moot.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, progress)
+            self._loop.call_soon_threadsafe(self._append, progress)
+
+    def _append(self, progress: Progress) -> None:
+        self._messages.append(progress)
+        self._arrived.set()
 
     async def next(self, timeout: float) -> Progress | None:
         """The next message, or None when none arrives within `timeout` seconds."""
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
+        if not self._messages:
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), timeout)
+        return self._messages.popleft() if self._messages else None
 
 
 class Notifier(Protocol):
@@ -72,9 +78,9 @@ class InProcessNotifier:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = (
-            defaultdict(set)
+            collections.defaultdict(set)
         )
-        self._watches: dict[str, set[ProgressWatch]] = defaultdict(set)
+        self._watches: dict[str, set[ProgressWatch]] = collections.defaultdict(set)
 
     def subscribe(self, op_id: str) -> asyncio.Event:
         event = asyncio.Event()

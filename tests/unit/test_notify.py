@@ -61,3 +61,20 @@ def test_publishing_to_a_watch_whose_loop_has_closed_is_harmless() -> None:
 
     asyncio.run(watch_and_leave())
     notifier.publish_progress("op", {0: (0, [1])})
+
+
+def test_a_cancelled_next_loses_no_message() -> None:
+    notifier = InProcessNotifier()
+
+    async def scenario() -> None:
+        watch = notifier.watch_progress("op")
+        waiting = asyncio.ensure_future(watch.next(timeout=30))
+        await asyncio.sleep(0)  # `waiting` now waits for a message
+        notifier.publish_progress("op", {0: (0, [1])})
+        waiting.cancel()  # before it could resume and take the message
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await watch.next(timeout=30) == {0: (0, [1])}
+        notifier.unwatch_progress(watch)
+
+    asyncio.run(scenario())
