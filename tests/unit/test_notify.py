@@ -71,7 +71,8 @@ def test_a_cancelled_next_loses_no_message() -> None:
         waiting = asyncio.ensure_future(watch.next(timeout=30))
         await asyncio.sleep(0)  # `waiting` now waits for a message
         notifier.publish_progress("op", {0: (0, [1])})
-        waiting.cancel()  # before it could resume and take the message
+        await asyncio.sleep(0)  # the message arrives and wakes `waiting`...
+        waiting.cancel()  # ...which is cancelled before it could resume and take it
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert await watch.next(timeout=30) == {0: (0, [1])}
