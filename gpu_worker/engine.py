@@ -1,8 +1,12 @@
 """The engine: base models held once, many runs' LoRA adapters and AdamW states beside them.
 
 One method per kind of op, shaped as the worker host sends them: forward and forward_backward
-ops go through `forward_backward_batch`, samples and prompt logprobs through `sample_batch`
-(`forward_backward` runs one op alone, as recovery replays it). Ops on a run are expected in
+ops go through `forward_backward_batch` (`forward_backward` runs one op alone, as recovery
+replays it). Samples and prompt logprobs join a running decode loop per base model
+(`sample_start`, then one `sample_step` at a time, between which training ops may run) or are
+sampled to completion by `sample_batch`. Sampling jobs see a run's weights as they were when
+they started: before an op changes or drops a run's adapter, the jobs using it move to a frozen
+copy. Ops on a run are expected in
 the caller's order (the scheduler enforces seq order); gradients accumulate across
 forward_backward calls until optim_step. `forward_backward_batch` executes several runs' ops
 as one multi-LoRA pass, each op failing or succeeding on its own. Every op validates its input before touching state, so an op that
@@ -14,8 +18,10 @@ The engine knows nothing of HTTP, SQL, Celery or object storage; paths are local
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_worker import checkpoint, sampling
+from gpu_worker import checkpoint
 from gpu_worker.catalog import Catalog, ModelEntry, count_parameters
+from gpu_worker.decoding import DecodeLoops
 from gpu_worker.lora import LoraAdapter, LoraContext, MultiLoraLinear, adapter_shapes, inject
 from gpu_worker.protocol import (
     AdamParams,
@@ -37,9 +44,9 @@ from gpu_worker.protocol import (
     OptimStepResult,
     SampleRequest,
     SampleResult,
-    Usage,
     UserInputError,
 )
+from gpu_worker.sampling import Job, Sampler, resolve_stop
 from gpu_worker.training import TrainOp, run_ops
 from gpu_worker.validation import (
     CheckedDatum,
@@ -52,6 +59,9 @@ from gpu_worker.validation import (
 )
 
 log = logging.getLogger(__name__)
+
+# sample_batch's own jobs are keyed under this prefix, which no caller's key starts with
+_BATCH_KEY = "\x00sample_batch/"
 
 
 @dataclass
@@ -121,6 +131,8 @@ class Engine:
         self._models: dict[str, _Model] = {}
         self._runs: dict[str, _Run] = {}
         self._lock = threading.RLock()
+        self._loops = DecodeLoops(self._new_sampler)
+        self._batches = itertools.count()
         for name in self.settings.models:
             self._model(name)
 
@@ -167,7 +179,9 @@ class Engine:
 
     def remove_run(self, run_id: str) -> None:
         with self._lock:
-            self._runs.pop(run_id, None)
+            run = self._runs.pop(run_id, None)
+            if run is not None:
+                self._loops.freeze(run.adapter)
 
     def run_ids(self) -> list[str]:
         return sorted(self._runs)
@@ -307,6 +321,7 @@ class Engine:
                     eps=adam.eps,
                     weight_decay=adam.weight_decay,
                 )
+            self._loops.freeze(run.adapter)  # samples already running keep these weights
             run.optimizer.step()
             run.adapter.zero_grad()
             run.steps += 1
@@ -326,56 +341,84 @@ class Engine:
 
     # --- sampling -----------------------------------------------------------------------
 
-    def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult | OpError]:
-        """Sample all requests together (one decode loop per base model)."""
+    def sample_start(self, key: str, req: SampleRequest) -> OpError | None:
+        """Validate `req` and add it, under `key` (unique among unfinished jobs), to its base
+        model's running decode loop; its rows join at the next `sample_step`. An OpError when
+        refused; a key already in use raises ValueError (the caller's mistake)."""
         with self._lock:
-            out: list[SampleResult | OpError | None] = [None] * len(requests)
-            by_model: dict[str, list[tuple[int, sampling.Job]]] = {}
-            for i, req in enumerate(requests):
-                try:
-                    m, adapter = self._sampler(req.run_id, req.base_model)
-                    info = m.info
-                    prompt = check_tokens(
-                        req.prompt, info.vocab_size, info.max_context_length, "prompt"
-                    )
-                    check_sampling(
-                        req.params, prompt.size, info.max_context_length, req.num_samples
-                    )
-                    stop_ids, stop_strings = sampling.resolve_stop(req.params.stop, self._eos(m))
-                    job = sampling.Job(
-                        prompt.tolist(),
-                        req.params,
-                        req.num_samples,
-                        adapter,
-                        stop_ids,
-                        stop_strings,
-                        prompt_logprobs=req.prompt_logprobs,
-                        topk_prompt_logprobs=req.topk_prompt_logprobs,
-                    )
-                    by_model.setdefault(m.name, []).append((i, job))
-                except UserInputError as exc:
-                    out[i] = OpError.of_input(exc)
-            for name, members in by_model.items():
-                m = self._models[name]
-                try:
-                    jobs = [job for _, job in members]
-                    sampling.sample_jobs(
-                        m.model, m.ctx, self._tokenizer(m), jobs, self.device, self.autocast_dtype
-                    )
-                    for i, job in members:
-                        out[i] = self._sample_result(requests[i], job)
-                except Exception as exc:
-                    log.exception("sampling failed")
-                    for i, _ in members:
-                        out[i] = OpError("server", f"{type(exc).__name__}: {exc}")
-            return [r if r is not None else OpError("server", "not executed") for r in out]
+            try:
+                m, job = self._job(req)
+            except UserInputError as exc:
+                return OpError.of_input(exc)
+            self._loops.start(key, m.name, job)
+            return None
 
-    def _sample_result(self, req: SampleRequest, job: sampling.Job) -> SampleResult:
-        sampled = sum(len(s.tokens) for s in job.sequences)
-        usage = Usage(prefill_tokens=len(job.prompt), sampled_tokens=sampled)
-        lp = job.prompt_lp if req.prompt_logprobs else None
-        top = job.prompt_top if req.topk_prompt_logprobs > 0 else None
-        return SampleResult(job.sequences, lp, top, usage)
+    def sample_step(self) -> list[tuple[str, SampleResult | OpError]]:
+        """One decode step of every base model's loop that has work (prefilling the jobs added
+        since the last step); returns the jobs that finished in it, and those that finished
+        during a `sample_batch` since the last call. A failure inside one model's loop fails all
+        that loop's jobs with a server OpError and resets that loop (others go on)."""
+        with self._lock:
+            return self._loops.step()
+
+    def sample_progress(self, key: str) -> list[list[int]]:
+        """Tokens chosen so far for each sample of job `key`, by sample index (copies); empty
+        for a key not started or already returned."""
+        with self._lock:
+            return self._loops.progress(key)
+
+    def sample_abort(self, keys: Collection[str] | None = None) -> None:
+        """Drop unfinished jobs (all when None), freeing their cache rows; unknown keys are
+        ignored."""
+        with self._lock:
+            self._loops.abort(keys)
+
+    @property
+    def sampling(self) -> int:
+        """How many jobs are started and not finished (or finished and not yet returned by
+        `sample_step`)."""
+        with self._lock:
+            return len(self._loops)
+
+    def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult | OpError]:
+        """Sample all requests to completion in the running decode loops; other callers' jobs
+        that finish meanwhile come out of the next `sample_step`."""
+        with self._lock:
+            out: dict[int, SampleResult | OpError] = {}
+            keys: dict[str, int] = {}
+            batch = next(self._batches)
+            for i, req in enumerate(requests):
+                key = f"{_BATCH_KEY}{batch}/{i}"
+                refused = self.sample_start(key, req)
+                if refused is None:
+                    keys[key] = i
+                else:
+                    out[i] = refused
+            for key, outcome in self._loops.finish(keys).items():
+                out[keys[key]] = outcome
+            return [out.get(i, OpError("server", "not executed")) for i in range(len(requests))]
+
+    def _job(self, req: SampleRequest) -> tuple[_Model, Job]:
+        m, adapter = self._sampler(req.run_id, req.base_model)
+        info = m.info
+        prompt = check_tokens(req.prompt, info.vocab_size, info.max_context_length, "prompt")
+        check_sampling(req.params, prompt.size, info.max_context_length, req.num_samples)
+        stop_ids, stop_strings = resolve_stop(req.params.stop, self._eos(m))
+        job = Job(
+            prompt.tolist(),
+            req.params,
+            req.num_samples,
+            adapter,
+            stop_ids,
+            stop_strings,
+            prompt_logprobs=req.prompt_logprobs,
+            topk_prompt_logprobs=req.topk_prompt_logprobs,
+        )
+        return m, job
+
+    def _new_sampler(self, name: str) -> Sampler:
+        m = self._models[name]
+        return Sampler(m.model, m.ctx, self._tokenizer(m), self.device, self.autocast_dtype)
 
     def _sampler(
         self, run_id: str | None, base_model: str | None
@@ -435,6 +478,8 @@ class Engine:
             if include_optimizer:
                 checkpoint.load_optimizer_state(run.adapter, run.optimizer, folder)
                 run.steps = int(meta.get("optim_steps", 0))
+            if run_id in self._runs:
+                self._loops.freeze(self._runs[run_id].adapter)
             self._runs[run_id] = run
 
     def export_adapter(self, run_id: str, path: str | Path) -> None:

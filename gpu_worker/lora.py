@@ -13,6 +13,7 @@ Face module names ("model.layers.0.self_attn.q_proj", "lm_head"), which are also
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -45,6 +46,19 @@ class LoraAdapter:
             a_rI.uniform_(-bound, bound, generator=gen)
             b_Or = torch.zeros(fan_out, spec.rank)
             self.weights[name] = (nn.Parameter(a_rI.to(device)), nn.Parameter(b_Or.to(device)))
+
+    def frozen_copy(self) -> LoraAdapter:
+        """The weights as they are now, detached and without gradients or optimizer state: what
+        a sample still running keeps while the run's own weights change."""
+        frozen = copy.copy(self)
+        frozen.weights = {
+            name: (
+                nn.Parameter(a.detach().clone(), requires_grad=False),
+                nn.Parameter(b.detach().clone(), requires_grad=False),
+            )
+            for name, (a, b) in self.weights.items()
+        }
+        return frozen
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for name in sorted(self.weights) for p in self.weights[name]]

@@ -20,6 +20,7 @@ This module knows nothing of training, optimizers or validation.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,10 @@ TOPK_EMPTY_ID, TOPK_EMPTY_LOGPROB = 0, -99999.0
 
 @dataclass
 class Job:
-    """One request as the decode loop sees it; the loop fills the fields after `stop_strings`."""
+    """One request as the decode loop sees it; the loop fills the fields after `stop_strings`.
+
+    `adapter` may be replaced between steps (by a frozen copy of the same weights): rows are
+    grouped by the adapter their job names at each step."""
 
     prompt: list[int]
     params: SamplingParams
@@ -47,7 +51,8 @@ class Job:
     stop_strings: list[str]
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
-    sequences: list[SampledSequence] = field(default_factory=list)
+    sequences: list[SampledSequence] = field(default_factory=list)  # by sample index, once all end
+    finished: dict[int, SampledSequence] = field(default_factory=dict)  # by sample index
     prompt_lp: np.ndarray | None = None  # (P,) float32, NaN at 0
     prompt_top: tuple[np.ndarray, np.ndarray] | None = None  # ids (P, k), logprobs (P, k)
 
@@ -77,6 +82,7 @@ class StopText:
 @dataclass
 class _Row:
     job: Job
+    index: int  # the sample's index within its job, which keys its noise
     stop_text: StopText | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -175,8 +181,27 @@ class Sampler:
         self._stop_AS: torch.Tensor | None = None  # stop token ids, -1 padded
 
     def add(self, job: Job) -> None:
-        """Queue a job; it is prefilled at the next `step`."""
+        """Queue a job; it is prefilled at the next `step` (for a model whose cache layers are
+        not all full-attention, at the first step the loop is idle)."""
         self._pending.append(job)
+
+    def drop(self, jobs: Collection[Job]) -> None:
+        """Remove unfinished `jobs`, queued or running, freeing their cache rows."""
+        gone = {id(job) for job in jobs}
+        self._pending = [job for job in self._pending if id(job) not in gone]
+        keep = [a for a, row in enumerate(self._rows) if id(row.job) not in gone]
+        if len(keep) < len(self._rows):
+            self._select(keep)
+
+    def progress(self, job: Job) -> list[list[int]]:
+        """Tokens chosen so far for each of `job`'s samples, by sample index (copies)."""
+        tokens: list[list[int]] = [[] for _ in range(job.num_samples)]
+        for i, seq in job.finished.items():
+            tokens[i] = list(seq.tokens)
+        for row in self._rows:
+            if row.job is job:
+                tokens[row.index] = list(row.tokens)
+        return tokens
 
     @property
     def idle(self) -> bool:
@@ -185,7 +210,8 @@ class Sampler:
     @torch.no_grad()
     def step(self) -> list[Job]:
         """Prefill new jobs, choose one token per row, feed them; returns the jobs completed."""
-        if self._pending:
+        # a sliding-window cache cannot be left-padded to merge, so those loops admit when idle
+        if self._pending and (not self._rows or _full_attention(self._cache)):
             jobs, self._pending = self._pending, []
             self._admit(jobs)
         if not self._rows:
@@ -212,8 +238,9 @@ class Sampler:
             job = row.job
             if stop or len(row.tokens) >= job.params.max_tokens:
                 reason: StopReason = "stop" if stop else "length"
-                job.sequences.append(SampledSequence(row.tokens, row.logprobs, reason))
-                if len(job.sequences) == job.num_samples:
+                job.finished[row.index] = SampledSequence(row.tokens, row.logprobs, reason)
+                if len(job.finished) == job.num_samples:
+                    job.sequences = [job.finished[i] for i in range(job.num_samples)]
                     completed.append(job)
             else:
                 keep.append(a)
@@ -268,7 +295,7 @@ class Sampler:
             seed = job.params.seed if job.params.seed is not None else secrets.randbits(62)
             for i in range(job.num_samples):
                 stop_text = StopText(self.tokenizer, job.stop_strings) if job.stop_strings else None
-                rows.append(_Row(job, stop_text))
+                rows.append(_Row(job, i, stop_text))
                 expand.append(r)
                 keys.append(row_key(seed, i))
         index_B = torch.tensor(expand, device=self.device)
@@ -311,7 +338,7 @@ class Sampler:
         if not (_full_attention(self._cache) and _full_attention(cache)):
             raise NotImplementedError(
                 "adding jobs to a running decode loop needs full-attention cache layers; "
-                "sample this model's jobs in one batch (sample_jobs) instead"
+                "add this model's jobs while the loop is idle"
             )
         for old, new in zip(self._cache.layers, cache.layers, strict=True):
             for name in ("keys", "values"):
@@ -372,20 +399,3 @@ class Sampler:
             )
         self._next_AV = out.logits[:, -1].float()
         self._pos_A = self._pos_A + 1
-
-
-def sample_jobs(
-    model: Any,
-    ctx: LoraContext,
-    tokenizer: object,
-    jobs: list[Job],
-    device: torch.device,
-    autocast_dtype: torch.dtype | None,
-) -> int:
-    """Fill each job's `sequences` (and prompt scores); returns the number of sampled tokens."""
-    sampler = Sampler(model, ctx, tokenizer, device, autocast_dtype)
-    for job in jobs:
-        sampler.add(job)
-    while not sampler.idle:
-        sampler.step()
-    return sampler.sampled_tokens
