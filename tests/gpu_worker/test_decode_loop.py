@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from gpu_worker import sampling
 from gpu_worker.engine import Engine
@@ -219,3 +220,32 @@ def test_a_model_without_full_attention_admits_jobs_when_its_loop_is_idle(loops,
     out.update(finish(loops, {"late"}))
     assert_same_samples(succeeded(out["first"]), sample(loops, first))
     assert_same_samples(succeeded(out["late"]), sample(loops, late))
+
+
+def test_reloading_a_run_leaves_a_running_job_on_the_old_weights(loops, engine, run, tmp_path):
+    with training_run(engine, "donor", LoraSpec(rank=4, seed=5), randomize_seed=12) as donor:
+        engine.save_state(donor, tmp_path / "donor", include_optimizer=False)
+    req = request(8, run)
+    req.prompt_logprobs = True
+    before = sample(loops, req)
+    loops.sample_start("live", req)
+    loops.sample_step()
+    loops.load_state(run, tmp_path / "donor", include_optimizer=False)
+    loops.sample_start("after", req)
+    out = finish(loops, {"live", "after"})
+    assert_same_samples(succeeded(out["live"]), before)
+    after = succeeded(out["after"]).prompt_logprobs
+    assert after is not None and before.prompt_logprobs is not None
+    assert not np.allclose(after[1:], before.prompt_logprobs[1:], atol=1e-3)
+
+
+def test_a_frozen_copy_keeps_the_weights_without_gradients(engine, run):
+    adapter = engine.adapter(run)
+    frozen = adapter.frozen_copy()
+    saved = {k: t.clone() for k, t in adapter.named_tensors().items()}
+    train_step(engine, run)
+    assert all(not p.requires_grad and p.grad is None for p in frozen.parameters())
+    assert frozen.scale == adapter.scale and frozen.spec == adapter.spec
+    for key, tensor in frozen.named_tensors().items():
+        assert torch.equal(tensor, saved[key])
+    assert any(not torch.equal(t, saved[k]) for k, t in adapter.named_tensors().items())
