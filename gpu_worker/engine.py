@@ -4,13 +4,13 @@ One method per kind of op, shaped as the worker host sends them: forward and for
 ops go through `forward_backward_batch` (`forward_backward` runs one op alone, as recovery
 replays it). Samples and prompt logprobs join a running decode loop per base model
 (`sample_start`, then one `sample_step` at a time, between which training ops may run) or are
-sampled to completion by `sample_batch`. Sampling jobs see a run's weights as they were when
-they started: before an op changes or drops a run's adapter, the jobs using it move to a frozen
-copy. Ops on a run are expected in
-the caller's order (the scheduler enforces seq order); gradients accumulate across
-forward_backward calls until optim_step. `forward_backward_batch` executes several runs' ops
-as one multi-LoRA pass, each op failing or succeeding on its own. Every op validates its input before touching state, so an op that
-raises `UserInputError` leaves the run exactly as it was.
+sampled to completion by `sample_batch`. A sample sees its run's weights as they were when it
+started: before an op changes or drops a run's adapter, the samples using it move to a frozen
+copy. Ops on a run are expected in the caller's order (the scheduler enforces seq order);
+gradients accumulate across forward_backward calls until optim_step. `forward_backward_batch`
+executes several runs' ops as one multi-LoRA pass, each op failing or succeeding on its own.
+Every op validates its input before touching state, so an op that raises `UserInputError`
+leaves the run exactly as it was.
 
 Calls are serialised by a lock: the LoRA row assignment lives on the model while a pass runs.
 The engine knows nothing of HTTP, SQL, Celery or object storage; paths are local folders.

@@ -169,7 +169,6 @@ class Sampler:
     ) -> None:
         self.model, self.ctx, self.tokenizer = model, ctx, tokenizer
         self.device, self.autocast_dtype = device, autocast_dtype
-        self.sampled_tokens = 0
         self._pending: list[Job] = []
         self._rows: list[_Row] = []
         # per active row, on the device (None while no row is active):
@@ -226,7 +225,6 @@ class Sampler:
         # one transfer per step: ids (exact in float64), logprobs, stop flags
         back_3A = torch.stack([token_A.double(), logp_A.double(), stop_A.double()]).cpu()
         tokens, logprobs, stops = back_3A.tolist()
-        self.sampled_tokens += len(tokens)
 
         keep: list[int] = []
         completed: list[Job] = []
