@@ -6,7 +6,9 @@ A request names a model: a base model, a sampling session of the caller's
 *serving* session (`core.sessions.serving_session`), in one sampling session per base model or
 checkpoint, reused by every later request. The op is submitted exactly as `/api/v1/asample`
 submits it (same checks, queue limit, spend estimate), so it is batched, placed and metered
-like any sample; the request then waits for its result and the ledger's usage of it.
+like any sample; the request then waits for its result and the ledger's usage of it. A
+streamed request's op is submitted under an id chosen beforehand, whose progress (the tokens
+chosen so far, `scheduler.notify`) is watched from before the op exists.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import AsyncGenerator
 from typing import Annotated
 
 from fastapi import Depends, Request, Security
@@ -30,9 +33,11 @@ from billing import estimate
 from core import checkpoints, references, runs, sessions
 from core.apikeys import Principal
 from core.errors import AuthenticationFailed, ErrorCode, InvalidInput, NotFound
+from core.ids import new_request_id
 from core.settings import Mode
 from core.tables import ModelPackage, ModelVersion, SamplingSession
 from scheduler.futures import FutureState, read_future
+from scheduler.notify import Progress, ProgressWatch
 from scheduler.ops import PROTO
 from scheduler.served import tokenizer_key
 from scheduler.submit import Submitted
@@ -243,8 +248,10 @@ def submit_sample(
     prompt: list[int],
     sampling: Sampling,
     stop: list[str] | None,
+    streamed_as: str | None = None,
 ) -> str:
-    """Submit one `sample` op for the request; returns its request id."""
+    """Submit one `sample` op for the request; returns its request id. `streamed_as` is the id
+    under which the caller watches the op's progress (`start_streamed`)."""
     request = SampleRequest(
         num_samples=sampling.n,
         prompt=ModelInput.from_ints(prompt),
@@ -266,7 +273,9 @@ def submit_sample(
         target = resolve_target(db, state, principal, model)
         sampler = db.get(SamplingSession, target.sampler_id)
         assert sampler is not None
-        return sampler.id, queue_sample(db, state, principal, sampler, request, usage)
+        return sampler.id, queue_sample(
+            db, state, principal, sampler, request, usage, streamed_as=streamed_as
+        )
 
     _, submitted = in_submission(state, work)
     return submitted.request_id
@@ -292,6 +301,72 @@ async def wait_for(state: AppState, principal: Principal, request_id: str) -> Sa
             event.clear()
     finally:
         state.notifier.unsubscribe(request_id, event)
+    return _sampled(future)
+
+
+async def start_streamed(
+    state: AppState,
+    principal: Principal,
+    model: str,
+    prompt: list[int],
+    sampling: Sampling,
+    stop: list[str] | None,
+) -> ProgressWatch:
+    """Submit the request's op with its tokens published as they are chosen; the returned watch
+    receives them from the first (`follow` reads it and ends it)."""
+    watch = state.notifier.watch_progress(new_request_id())
+    try:
+        await run_in_threadpool(
+            submit_sample, state, principal, model, prompt, sampling, stop, watch.op_id
+        )
+    except BaseException:
+        state.notifier.unwatch_progress(watch)
+        raise
+    return watch
+
+
+async def follow(
+    state: AppState, principal: Principal, watch: ProgressWatch
+) -> AsyncGenerator[Progress | Sampled, None]:
+    """The streamed op's progress messages as they arrive, then its result as `wait_for` gives
+    it (or raises its failure); the watch ends with the iteration."""
+    loop = asyncio.get_running_loop()
+    finished = state.notifier.subscribe(watch.op_id)
+    try:
+        while True:
+            finished.clear()
+            future = await run_in_threadpool(_read, state, principal.tenant_id, watch.op_id)
+            if future.done:
+                break
+            recheck_at = loop.time() + _RECHECK_SECONDS
+            while not finished.is_set() and (left := recheck_at - loop.time()) > 0:
+                progress = await _next_progress(watch, finished, left)
+                if progress is not None:
+                    yield progress
+    finally:
+        state.notifier.unsubscribe(watch.op_id, finished)
+        state.notifier.unwatch_progress(watch)
+    yield _sampled(future)
+
+
+async def _next_progress(
+    watch: ProgressWatch, finished: asyncio.Event, timeout: float
+) -> Progress | None:
+    """The next progress message; None after `timeout` or once the op is said to be finished."""
+    progress = asyncio.ensure_future(watch.next(timeout))
+    ended = asyncio.ensure_future(finished.wait())
+    try:
+        await asyncio.wait({progress, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+        progress.cancel()
+    # A wait cancelled in time leaves its message to the next one; one that already took its
+    # message returns it all the same.
+    await asyncio.wait({progress})
+    return None if progress.cancelled() else progress.result()
+
+
+def _sampled(future: FutureState) -> Sampled:
     if future.failure is not None:
         failure = future.failure
         if failure.category != "user":

@@ -18,7 +18,7 @@ from core.ids import training_run_id
 from core.tables import ModelVersion, RunStatus, SamplingSession, Tenant, TrainingRun
 from scheduler import oplog
 from scheduler.admission import admit_training_run
-from scheduler.ops import STREAMED, OpKind, encode_json_payload, refused
+from scheduler.ops import OpKind, encode_json_payload, refused
 from scheduler.submit import Submitted, submit, submit_training_op
 from treadle.types import SampleRequest, UntypedAPIFuture
 
@@ -81,10 +81,10 @@ def queue_sample(
     body: SampleRequest,
     usage: tuple[UsageLine, ...] | None,
     *,
-    streamed: bool = False,
+    streamed_as: str | None = None,
 ) -> Submitted:
-    """Queue one `sample` op on `sampler` for `/asample` and `/oai/v1` alike; `streamed` asks
-    the worker to publish the tokens as they are chosen (`Notifier.publish_progress`).
+    """Queue one `sample` op on `sampler` for `/asample` and `/oai/v1` alike. `streamed_as` is
+    the op's id, chosen by a caller that watches its progress.
 
     Access to saved weights can end after the sampling session was created (deleted,
     unpublished), and a live run's weights live only while its session does: both are
@@ -115,10 +115,7 @@ def queue_sample(
         # 62 bits, as the engine's own fallback draws.
         params = params.model_copy(update={"seed": secrets.randbits(62)})
     body = body.model_copy(update={"sampling_session_id": sampler.id, "sampling_params": params})
-    content = body.model_dump(mode="json", exclude_none=True)
-    if streamed:
-        content[STREAMED] = True
-    payload, codec = encode_json_payload(content)
+    payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
     return submit(
         db,
         state.clock,
@@ -131,6 +128,7 @@ def queue_sample(
         payload_codec=codec,
         api_key_id=principal.key_id,
         estimate=None if usage is None else Estimate(sampler.base_model, usage),
+        op_id=streamed_as,
     )
 
 

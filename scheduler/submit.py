@@ -53,12 +53,14 @@ def submit(
     next_in_order: bool = False,
     api_key_id: str | None = None,
     estimate: Estimate | None = None,
+    op_id: str | None = None,
 ) -> Submitted:
     """Queue an op, or answer a resubmission with the original. `next_in_order` marks the op
     its training run waits for next (see `_admit`); `api_key_id` is the submitting key, whose
     usage the op's is counted as. `estimate` is what the op will use, given when its tenant
     has a spend limit: it is held against the limits (`billing.limits`); unload_model, which
-    frees resources, is never held back."""
+    frees resources, is never held back. `op_id` is the new op's id when the caller chose it
+    (`core.ids.new_request_id`) to watch the op's progress before it exists."""
     if seq_id is not None:
         existing = _existing(db, tenant_id, target_id, seq_id, kind)
         if existing is not None:
@@ -76,7 +78,7 @@ def submit(
             estimate=estimate,
         )
     op = Operation(
-        id=new_request_id(),
+        id=op_id or new_request_id(),
         tenant_id=tenant_id,
         session_id=session_id,
         target_id=target_id,

@@ -2,15 +2,13 @@
 
 Each completion is one `sample` op on Treadle's sampling path (`api.oai_serving`), so it is
 batched, placed and metered exactly as `/api/v1/asample` is; `usage` is what the ledger
-recorded for the op. Streams are server-sent events in OpenAI's format, written once the op's
-result is in: token-by-token streaming as the model generates is not built yet.
+recorded for the op. Streams are server-sent events in OpenAI's format, sent as the model
+generates (`api.oai_stream`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
-from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter
@@ -31,6 +29,8 @@ from api.oai_serving import (
     tokenizer_for,
     wait_for,
 )
+from api.oai_stream import stream
+from api.oai_text import Finished, engine_stop, finish
 from api.oai_types import (
     AssistantMessage,
     ChatChoice,
@@ -45,7 +45,6 @@ from api.oai_types import (
     CompletionLogprobs,
     CompletionRequest,
     ErrorBody,
-    FinishReason,
     ModelCard,
     ModelList,
     TokenLogprob,
@@ -64,7 +63,6 @@ from core.tables import (
     TrainingRun,
     VersionStatus,
 )
-from treadle.types import SampledSequence
 
 router = APIRouter(prefix="/oai/v1", tags=["openai"])
 
@@ -166,61 +164,6 @@ def list_models(principal: OaiPrincipal, state: State) -> ModelList:
 # --- turning sampled tokens into text ----------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    pieces: list[str]
-    """The text of each kept token, in order; together the choice's text."""
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-
-def _finish(tok: ServedTokenizer, seq: SampledSequence, stops: list[str]) -> Finished:
-    """A sampled sequence as OpenAI returns it: cut before an end-of-turn token or the first
-    stop string (neither is part of the text)."""
-    end_ids = {i for t in tok.end_texts if (i := tok.tokenizer.token_to_id(t)) is not None}
-    tokens = list(seq.tokens)
-    logprobs = list(seq.logprobs or [0.0] * len(tokens))
-    reason: FinishReason = "stop" if seq.stop_reason == "stop" else "length"
-    for i, token in enumerate(tokens):
-        if token in end_ids:
-            tokens, logprobs, reason = tokens[:i], logprobs[:i], "stop"
-            break
-    pieces, shown = [], ""
-    for i in range(len(tokens)):
-        text = tok.decode(tokens[: i + 1])
-        pieces.append(text[len(shown) :] if text.startswith(shown) else text)
-        shown = text if text.startswith(shown) else shown + text
-    full = "".join(pieces)
-    cuts = [c for s in stops if (c := full.find(s)) >= 0]
-    if cuts:
-        cut, kept, length = min(cuts), [], 0
-        for piece in pieces:
-            if length + len(piece) > cut:
-                if cut > length:
-                    kept.append(piece[: cut - length])
-                break
-            kept.append(piece)
-            length += len(piece)
-        pieces, reason = kept, "stop"
-        tokens, logprobs = tokens[: len(kept)], logprobs[: len(kept)]
-    elif stops and seq.stop_reason == "stop" and not any(t in end_ids for t in seq.tokens):
-        reason = "stop"
-    return Finished(pieces, tokens, logprobs, reason)
-
-
-def _engine_stop(stops: list[str], tok: ServedTokenizer) -> list[str] | None:
-    """The engine's `stop`: None ends at EOS; stop strings replace EOS there, so the end-of-turn
-    texts are added to them."""
-    if not stops:
-        return None
-    return [*stops, *(t for t in tok.end_texts if t not in stops)]
-
-
 def _token_logprobs(tok: ServedTokenizer, done: Finished) -> list[TokenLogprob]:
     out = []
     for token, logprob in zip(done.tokens, done.logprobs, strict=False):
@@ -239,17 +182,6 @@ def _usage(sampled: Sampled) -> Usage:
     )
 
 
-def _sse(chunks: Iterator[BaseModel]) -> StreamingResponse:
-    def lines() -> Iterator[str]:
-        for chunk in chunks:
-            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(
-        lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
 async def _sample(
     state: AppState,
     principal: Principal,
@@ -259,7 +191,7 @@ async def _sample(
     tok: ServedTokenizer,
 ) -> Sampled:
     request_id = await run_in_threadpool(
-        submit_sample, state, principal, model, prompt, sampling, _engine_stop(sampling.stop, tok)
+        submit_sample, state, principal, model, prompt, sampling, engine_stop(sampling.stop, tok)
     )
     return await wait_for(state, principal, request_id)
 
@@ -277,55 +209,68 @@ async def chat_completions(
     base_model = await run_in_threadpool(base_model_of, state, principal, body.model)
     tok = await run_in_threadpool(tokenizer_for, state, base_model)
     prompt = tok.encode(tok.render(conversation), special_tokens=False)
-    sampled = await _sample(state, principal, body.model, prompt, sampling, tok)
-    done = [_finish(tok, seq, sampling.stop) for seq in sampled.response.sequences]
     completion_id, created = "chatcmpl-" + _request_suffix(), int(state.clock.now().timestamp())
-    if not body.stream:
-        return ChatCompletion(
-            id=completion_id,
-            created=created,
-            model=body.model,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=AssistantMessage(content=d.text),
-                    finish_reason=d.finish_reason,
-                    logprobs=ChoiceLogprobs(content=_token_logprobs(tok, d))
-                    if sampling.logprobs
-                    else None,
-                )
-                for i, d in enumerate(done)
-            ],
-            usage=_usage(sampled),
-        )
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-    def chunks() -> Iterator[ChatCompletionChunk]:
-        def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(
-                id=completion_id, created=created, model=body.model, choices=choices, usage=usage
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=completion_id, created=created, model=body.model, choices=choices, usage=usage
+        )
+
+    def logprobs(d: Finished) -> ChoiceLogprobs | None:
+        return ChoiceLogprobs(content=_token_logprobs(tok, d)) if sampling.logprobs else None
+
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        opening: list[BaseModel] = [
+            chunk([ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
+            for i in range(sampling.n)
+        ]
+
+        def delta(i: int, text: str) -> BaseModel:
+            return chunk([ChunkChoice(index=i, delta=ChunkDelta(content=text))])
+
+        def ending(i: int, rest: str, d: Finished) -> BaseModel:
+            # The logprobs of all the choice's tokens come with its end: progress carries none.
+            return chunk(
+                [
+                    ChunkChoice(
+                        index=i,
+                        delta=ChunkDelta(content=rest) if rest else ChunkDelta(),
+                        logprobs=logprobs(d),
+                        finish_reason=d.finish_reason,
+                    )
+                ]
             )
 
-        for i, d in enumerate(done):
-            yield chunk([ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
-            logprobs = _token_logprobs(tok, d) if sampling.logprobs else None
-            for j, piece in enumerate(d.pieces):
-                yield chunk(
-                    [
-                        ChunkChoice(
-                            index=i,
-                            delta=ChunkDelta(content=piece),
-                            logprobs=None
-                            if logprobs is None
-                            else ChoiceLogprobs(content=logprobs[j : j + 1]),
-                        )
-                    ]
-                )
-            yield chunk([ChunkChoice(index=i, delta=ChunkDelta(), finish_reason=d.finish_reason)])
-        if include_usage:
-            yield chunk([], _usage(sampled))
+        def usage(sampled: Sampled) -> BaseModel:
+            return chunk([], _usage(sampled))
 
-    return _sse(chunks())
+        return await stream(
+            state,
+            principal,
+            body.model,
+            prompt,
+            sampling,
+            tok,
+            (opening, delta, ending, usage if include_usage else None),
+        )
+    sampled = await _sample(state, principal, body.model, prompt, sampling, tok)
+    done = [finish(tok, seq, sampling.stop) for seq in sampled.response.sequences]
+    return ChatCompletion(
+        id=completion_id,
+        created=created,
+        model=body.model,
+        choices=[
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=d.text),
+                finish_reason=d.finish_reason,
+                logprobs=logprobs(d),
+            )
+            for i, d in enumerate(done)
+        ],
+        usage=_usage(sampled),
+    )
 
 
 # --- text completions ------------------------------------------------------------------------
@@ -355,9 +300,12 @@ async def completions(
     base_model = await run_in_threadpool(base_model_of, state, principal, body.model)
     tok = await run_in_threadpool(tokenizer_for, state, base_model)
     prompt = _prompt_tokens(body, tok)
-    sampled = await _sample(state, principal, body.model, prompt, sampling, tok)
-    done = [_finish(tok, seq, sampling.stop) for seq in sampled.response.sequences]
     completion_id, created = "cmpl-" + _request_suffix(), int(state.clock.now().timestamp())
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(
+            id=completion_id, created=created, model=body.model, choices=choices, usage=usage
+        )
 
     def logprobs(d: Finished) -> CompletionLogprobs | None:
         if not sampling.logprobs:
@@ -373,50 +321,44 @@ async def completions(
             text_offset=offsets,
         )
 
-    if not body.stream:
-        return Completion(
-            id=completion_id,
-            created=created,
-            model=body.model,
-            choices=[
-                CompletionChoice(
-                    index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs(d)
-                )
-                for i, d in enumerate(done)
-            ],
-            usage=_usage(sampled),
-        )
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-    def chunks() -> Iterator[Completion]:
-        for i, d in enumerate(done):
-            for piece in d.pieces:
-                yield Completion(
-                    id=completion_id,
-                    created=created,
-                    model=body.model,
-                    choices=[CompletionChoice(index=i, text=piece, finish_reason=None)],
-                )
-            yield Completion(
-                id=completion_id,
-                created=created,
-                model=body.model,
-                choices=[
+        def delta(i: int, text: str) -> BaseModel:
+            return chunk([CompletionChoice(index=i, text=text, finish_reason=None)])
+
+        def ending(i: int, rest: str, d: Finished) -> BaseModel:
+            return chunk(
+                [
                     CompletionChoice(
-                        index=i, text="", finish_reason=d.finish_reason, logprobs=logprobs(d)
+                        index=i, text=rest, finish_reason=d.finish_reason, logprobs=logprobs(d)
                     )
-                ],
-            )
-        if include_usage:
-            yield Completion(
-                id=completion_id,
-                created=created,
-                model=body.model,
-                choices=[],
-                usage=_usage(sampled),
+                ]
             )
 
-    return _sse(chunks())
+        def usage(sampled: Sampled) -> BaseModel:
+            return chunk([], _usage(sampled))
+
+        return await stream(
+            state,
+            principal,
+            body.model,
+            prompt,
+            sampling,
+            tok,
+            ([], delta, ending, usage if include_usage else None),
+        )
+    sampled = await _sample(state, principal, body.model, prompt, sampling, tok)
+    done = [finish(tok, seq, sampling.stop) for seq in sampled.response.sequences]
+    return chunk(
+        [
+            CompletionChoice(
+                index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs(d)
+            )
+            for i, d in enumerate(done)
+        ],
+        _usage(sampled),
+    )
 
 
 def _request_suffix() -> str:

@@ -163,6 +163,8 @@
     let reply = "";
     try {
       for await (const chunk of events(response.body)) {
+        // A failure after the stream started arrives as an event in OpenAI's error format.
+        if (chunk.error) throw new Error(chunk.error.message);
         for (const choice of chunk.choices || []) {
           if (choice.index !== 0) continue;
           const piece = choice.delta && choice.delta.content;

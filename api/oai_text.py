@@ -1,0 +1,150 @@
+"""Sampled tokens as `/oai/v1` answers them in text: a finished choice, and a streamed one.
+
+A choice's text is its tokens decoded, cut before an end-of-turn token and before the first
+stop string (neither is part of the text). A streamed choice sends only text that later tokens
+cannot change: an incomplete character waits for its last byte, and a tail that could be the
+start of a stop string (or of end-of-turn text) waits until the next tokens or the result
+settle it, so the streamed pieces always add up to the finished text. This module knows nothing
+of HTTP or of how tokens arrive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from api.chat_templates import ServedTokenizer
+from api.oai_types import FinishReason
+from treadle.types import SampledSequence
+
+_INCOMPLETE = "\ufffd"
+"""What the tokenizer decodes an unfinished UTF-8 character to."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    pieces: list[str]
+    """The text of each kept token, in order; together the choice's text."""
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def _end_ids(tok: ServedTokenizer) -> set[int]:
+    return {i for t in tok.end_texts if (i := tok.tokenizer.token_to_id(t)) is not None}
+
+
+def _settled(tok: ServedTokenizer, tokens: list[int]) -> str:
+    """The text of `tokens` that more tokens cannot change (no incomplete last character)."""
+    return tok.decode(tokens).rstrip(_INCOMPLETE)
+
+
+def _pieces(tok: ServedTokenizer, tokens: list[int]) -> list[str]:
+    """Each token's share of the decoded text: what it settled, the last one taking the rest."""
+    full = tok.decode(tokens)
+    pieces, at = [], 0
+    for i in range(1, len(tokens)):
+        text = _settled(tok, tokens[:i])
+        end = len(text) if len(text) > at and full.startswith(text) else at
+        pieces.append(full[at:end])
+        at = end
+    if tokens:
+        pieces.append(full[at:])
+    return pieces
+
+
+def finish(tok: ServedTokenizer, seq: SampledSequence, stops: list[str]) -> Finished:
+    """A sampled sequence as OpenAI returns it: cut before an end-of-turn token or the first
+    stop string (neither is part of the text)."""
+    end_ids = _end_ids(tok)
+    tokens = list(seq.tokens)
+    logprobs = list(seq.logprobs or [0.0] * len(tokens))
+    reason: FinishReason = "stop" if seq.stop_reason == "stop" else "length"
+    for i, token in enumerate(tokens):
+        if token in end_ids:
+            tokens, logprobs, reason = tokens[:i], logprobs[:i], "stop"
+            break
+    pieces = _pieces(tok, tokens)
+    full = "".join(pieces)
+    cuts = [c for s in stops if (c := full.find(s)) >= 0]
+    if cuts:
+        cut, kept, length = min(cuts), [], 0
+        for piece in pieces:
+            if length + len(piece) > cut:
+                if cut > length:
+                    kept.append(piece[: cut - length])
+                break
+            kept.append(piece)
+            length += len(piece)
+        pieces, reason = kept, "stop"
+        tokens, logprobs = tokens[: len(kept)], logprobs[: len(kept)]
+    elif stops and seq.stop_reason == "stop" and not any(t in end_ids for t in seq.tokens):
+        reason = "stop"
+    return Finished(pieces, tokens, logprobs, reason)
+
+
+def engine_stop(stops: list[str], tok: ServedTokenizer) -> list[str] | None:
+    """The engine's `stop`: None ends at EOS; stop strings replace EOS there, so the end-of-turn
+    texts are added to them."""
+    if not stops:
+        return None
+    return [*stops, *(t for t in tok.end_texts if t not in stops)]
+
+
+def settled_end(text: str, held: list[str]) -> int:
+    """How much of `text` no stop string in `held` can cut: up to the first one found, or to a
+    tail that could be the start of one."""
+    end = len(text)
+    for s in held:
+        found = text.find(s)
+        if found >= 0:
+            end = min(end, found)
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
+class StreamedChoice:
+    """One choice's text as it streams: its tokens in order as progress brings them, and the
+    text sent so far, always a prefix of the finished text."""
+
+    def __init__(self, tok: ServedTokenizer, stops: list[str]) -> None:
+        self._tok = tok
+        self._end_ids = _end_ids(tok)
+        # End-of-turn text written as plain tokens is held back too: it costs a short delay.
+        self._held = [*stops, *tok.end_texts]
+        self._tokens: list[int] = []
+        self._ended = False
+        self.sent = ""
+
+    def add(self, offset: int, tokens: list[int]) -> str:
+        """The text to send now that `tokens` arrived at `offset` of the choice's tokens; ""
+        when they are out of order (a lost or late message: the result fills in)."""
+        if offset != len(self._tokens):
+            return ""
+        self._tokens += tokens
+        if self._ended:
+            return ""
+        kept = self._tokens
+        for i, token in enumerate(tokens, start=offset):
+            if token in self._end_ids:
+                kept, self._ended = self._tokens[:i], True
+                break
+        text = _settled(self._tok, kept)
+        end = settled_end(text, self._held)
+        if end <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        new = text[len(self.sent) : end]
+        self.sent += new
+        return new
+
+    def rest(self, done: Finished) -> str | None:
+        """What of the finished text is still to send; None when it does not start with what
+        was sent (tokens re-chosen after a worker failure)."""
+        final = done.text
+        return final[len(self.sent) :] if final.startswith(self.sent) else None
