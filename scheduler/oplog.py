@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from datetime import datetime, timedelta
 
-from sqlalchemy import Select, and_, exists, func, or_, select, update
+from sqlalchemy import Integer, Select, and_, bindparam, exists, func, or_, select, update
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import aliased, defer
 
@@ -77,13 +77,15 @@ class Ready:
 @dataclasses.dataclass(frozen=True)
 class ReadyQueries:
     """The statements that find claimable work, built once per worker: the claim runs for every
-    op, and building its statements costs more than running them."""
+    op, and building its statements costs more than running them. How many samples to take is
+    bound at each claim (`max_samples`): a worker takes as many as its decode loops have room
+    for."""
 
     training: Select[Operation, str]
     samples: Select[Operation, str, str | None, str | None]
 
     @classmethod
-    def build(cls, worker_id: str | None, max_samples: int) -> ReadyQueries:
+    def build(cls, worker_id: str | None) -> ReadyQueries:
         """Work of every target, or with `worker_id` only of the targets placed on it."""
         earlier = aliased(Operation)
         nothing_before = ~exists().where(
@@ -127,7 +129,7 @@ class ReadyQueries:
                 *((placed_here,) if worker_id is not None else ()),
             )
             .order_by(Operation.created_at)
-            .limit(max_samples)
+            .limit(bindparam("max_samples", type_=Integer))
         )
         return cls(training, samples)
 
@@ -143,22 +145,29 @@ def claim(
     worker_id: str,
     now: datetime,
     max_attempts: int,
+    max_samples: int,
+    busy: bool = False,
 ) -> tuple[list[Ready], list[Operation]]:
-    """Mark what is ready now as running on `worker_id`; also returns the ops given up instead
-    (interrupted `max_attempts` times). An op interrupted before runs alone: if it is what
-    brings a worker down, it takes nobody else with it."""
+    """Mark what is ready now as running on `worker_id`, at most `max_samples` samples; also
+    returns the ops given up instead (interrupted `max_attempts` times). An op interrupted
+    before runs alone: if it is what brings a worker down, it takes nobody else with it. So
+    while the worker is `busy` (samples of its decode loops in flight) it is not claimed, and
+    nothing else is either, until the loops have run dry."""
     ready = [Ready(op, base) for op, base in db.execute(queries.training)]
-    ready += [
-        Ready(op, base, version, live_run)
-        for op, base, version, live_run in db.execute(queries.samples)
-    ]
+    if max_samples > 0:
+        ready += [
+            Ready(op, base, version, live_run)
+            for op, base, version, live_run in db.execute(
+                queries.samples, {"max_samples": max_samples}
+            )
+        ]
     given_up = [r.op for r in ready if r.op.attempts >= max_attempts]
     for op in given_up:
         give_up(db, op, now)
     ready = [r for r in ready if r.op.attempts < max_attempts]
     retried = [r for r in ready if r.op.attempts > 0]
     if retried:
-        ready = [min(retried, key=lambda r: r.op.created_at)]
+        ready = [] if busy else [min(retried, key=lambda r: r.op.created_at)]
     for r in ready:
         r.op.status, r.op.started_at, r.op.attempts, r.op.worker_id = (
             OpStatus.RUNNING,

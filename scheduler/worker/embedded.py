@@ -43,6 +43,8 @@ class EmbeddedDispatcher:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        if self._host is not None:
+            self._host.close()  # returns once the engine thread's current step ended
         if self._thread is not None:
             self._thread.join(timeout=60)
 

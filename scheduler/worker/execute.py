@@ -1,6 +1,7 @@
 """What each operation kind does on the engine, and what it leaves to record (an `Outcome`).
 
-Saves are in `saves`; the failed-gradient window of an optimizer step is decided here.
+Saves are in `saves`, samples in `sampling`; the failed-gradient window of an optimizer step is
+decided here.
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ from billing.ledger import UsageLine
 from core import checkpoints, runs
 from core.clock import Clock
 from core.db import Database
-from core.errors import ErrorCode, NotFound
 from core.objectstore import ArtifactStore
 from core.tables import (
     ModelVersion,
     Operation,
     OpStatus,
-    SamplingSession,
-    Session,
     TrainingRun,
 )
 from gpu_worker import protocol as ep
@@ -47,7 +45,6 @@ from treadle.types import (
     LoadWeightsResponse,
     OptimStepRequest,
     OptimStepResponse,
-    SampleRequest,
     UnloadModelResponse,
 )
 from treadle.wire import DEFAULT_MAX_BODY_BYTES, WireFormatError
@@ -66,7 +63,8 @@ def usage_lines(usage: ep.Usage) -> list[UsageLine]:
     ]
 
 
-def _guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
+def guarded(task: Task, work: Callable[[], Outcome]) -> Outcome:
+    """`work`'s outcome, or the failure it raised, said as the API says it."""
     try:
         return work()
     except ep.UserInputError as exc:
@@ -146,7 +144,7 @@ class Executor:
                 if isinstance(result, ep.OpError):
                     outcomes[task.id] = Outcome.failed(OpFailure.of_engine(result))
                 else:
-                    outcomes[task.id] = _guarded(
+                    outcomes[task.id] = guarded(
                         task,
                         lambda r=result, t=task, o=op: Outcome(  # type: ignore[misc]
                             result=convert.forward_backward_output(r),
@@ -176,118 +174,6 @@ class Executor:
     def _forward_backward_request(self, task: Task) -> pb.ForwardBackwardRequest:
         return _stored_forward_backward(task.payload, task.payload_codec, self.max_request_bytes)
 
-    # --- sampling, batched across requests and adapters ---------------------------------
-
-    def sample(
-        self, tasks: list[Task], restore: Callable[[str], Outcome | None] | None = None
-    ) -> dict[str, Outcome]:
-        """Sample `tasks` in one batch. `restore` brings a live sample's training run into the
-        engine when it is not there (the host's recovery); without it such a sample fails."""
-        outcomes: dict[str, Outcome] = {}
-        prepared: list[tuple[Task, SampleRequest, ep.SampleRequest]] = []
-        revoked = self._revoked(tasks)
-        for task in tasks:
-            try:
-                if task.id in revoked:
-                    raise Refused(revoked[task.id])
-                if task.live_run_id is not None and restore is not None:
-                    lost = restore(task.live_run_id)
-                    if lost is not None:
-                        outcomes[task.id] = lost
-                        continue
-                wire = SampleRequest.model_validate_json(
-                    decode_payload(task.payload, task.payload_codec)
-                )
-                run_id = self._sampler_run(task)
-                prepared.append(
-                    (
-                        task,
-                        wire,
-                        convert.sample_request(wire, run_id=run_id, base_model=task.base_model),
-                    )
-                )
-            except ep.UserInputError as exc:
-                outcomes[task.id] = Outcome.failed(OpFailure.of_input(exc))
-            except Refused as exc:
-                outcomes[task.id] = Outcome.failed(exc.failure)
-            except Exception as exc:
-                log.exception("preparing sample %s failed", task.id)
-                outcomes[task.id] = Outcome.failed(
-                    OpFailure.server(f"sampling failed on the server ({type(exc).__name__}); retry")
-                )
-        if prepared:
-            results = self.engine.sample_batch([req for _, _, req in prepared])
-            for (task, wire, _), result in zip(prepared, results, strict=True):
-                if isinstance(result, ep.OpError):
-                    outcomes[task.id] = Outcome.failed(OpFailure.of_engine(result))
-                else:
-                    outcomes[task.id] = _guarded(
-                        task,
-                        lambda w=wire, r=result: Outcome(  # type: ignore[misc]
-                            result=convert.sample_output(w, r),
-                            codec=PROTO,
-                            usage=usage_lines(r.usage),
-                        ),
-                    )
-        return outcomes
-
-    def _revoked(self, tasks: list[Task]) -> dict[str, OpFailure]:
-        """Why each sample on saved weights or a live run may no longer run, by task id (one
-        or two reads per batch).
-
-        The API checked access when it accepted the request, but the checkpoint may have been
-        deleted or unpublished since, and weights already loaded here must not outlive that; a
-        live run may have been unloaded, or its session ended, since.
-        """
-        on_weights = {t.target_id for t in tasks if t.sampler_version_id is not None}
-        live_runs = {t.live_run_id for t in tasks if t.live_run_id is not None}
-        if not on_weights and not live_runs:
-            return {}
-        revoked: dict[str, OpFailure] = {}
-        with self.database.reader() as db:
-            if live_runs:
-                revoked.update(_live_refusals(db, tasks, live_runs))
-            if not on_weights:
-                return revoked
-            rows = db.execute(
-                select(SamplingSession.id, SamplingSession.model_path, ModelVersion)
-                .outerjoin(ModelVersion, ModelVersion.id == SamplingSession.model_version_id)
-                .where(SamplingSession.id.in_(on_weights))
-            ).all()
-            found = {sampler_id: (path, version) for sampler_id, path, version in rows}
-            for task in tasks:
-                if task.target_id not in on_weights:
-                    continue
-                path, version = found.get(task.target_id, (None, None))
-                try:
-                    checkpoints.require_sampleable(version, task.tenant_id, self.clock, path)
-                except NotFound as exc:
-                    revoked[task.id] = OpFailure.of(exc)
-        return revoked
-
-    def _sampler_run(self, task: Task) -> str | None:
-        """The engine run holding the sampler's weights, loaded on first use (a live sampler's:
-        its training run's); None = base model."""
-        if task.live_run_id is not None:
-            return task.live_run_id
-        if task.sampler_version_id is None:
-            return None
-        run_id = f"sampler:{task.sampler_version_id}"
-        if run_id not in self.engine.run_ids():
-            with self.database.reader() as db:
-                version = db.get(ModelVersion, task.sampler_version_id)
-                uri = version.artifact_uri if version is not None else None
-            if uri is None:
-                raise Refused(
-                    OpFailure.user(
-                        "the weights of this sampling session were deleted; create a new "
-                        "sampling client",
-                        ErrorCode.NOT_FOUND,
-                    )
-                )
-            self.engine.load_state(run_id, self.store.open_dir(uri), include_optimizer=False)
-        return run_id
-
     # --- everything else, one op at a time ---------------------------------------------
 
     def run(self, task: Task) -> Outcome:
@@ -308,7 +194,7 @@ class Executor:
         refusal = refusal_of(task.payload, task.payload_codec)
         if refusal is not None:
             return Outcome.failed(refusal)
-        return _guarded(task, lambda: handlers[task.kind](task))
+        return guarded(task, lambda: handlers[task.kind](task))
 
     def _refuse_failed_gradients(self, task: Task) -> Outcome | None:
         """Refuse an optimizer step whose gradients are missing a failed forward_backward.
@@ -527,30 +413,6 @@ def _forward_only(payload: bytes, codec: str, max_body_bytes: int) -> bool:
         return _stored_forward_backward(payload, codec, max_body_bytes).forward_only
     except Exception:
         return False
-
-
-def _live_refusals(db: OrmSession, tasks: list[Task], run_ids: set[str]) -> dict[str, OpFailure]:
-    """Why each live sample may no longer run, by task id: its run ended (unloaded, failed,
-    its session ended) since the API accepted the request."""
-    rows = db.execute(
-        select(TrainingRun, Session.status)
-        .outerjoin(Session, Session.id == TrainingRun.session_id)
-        .where(TrainingRun.id.in_(run_ids))
-    ).all()
-    found = {run.id: (run, status) for run, status in rows}
-    refused: dict[str, OpFailure] = {}
-    for task in tasks:
-        if task.live_run_id is None:
-            continue
-        run, status = found.get(task.live_run_id, (None, None))
-        reason = (
-            f"training run {task.live_run_id} no longer exists; sample a live run"
-            if run is None
-            else runs.live_refusal(run, status)
-        )
-        if reason is not None:
-            refused[task.id] = OpFailure.user(reason)
-    return refused
 
 
 def _count_tokens(run_id: str, tokens: int) -> Callable[[OrmSession], None]:

@@ -1,9 +1,13 @@
 """The worker host: runs queued operations on an Engine and records their results.
 
 It is the only part of the scheduler that imports the engine. Each `step()` claims what is
-ready — for every training run the op whose seq_id comes next, and pending samples — executes
-it (forward_backward ops of different runs together, as one multi-LoRA pass), and records each
-result with its usage in one transaction. Waiters are then woken through the notifier.
+ready — for every training run the op whose seq_id comes next, and as many pending samples as
+the decode loops have room for — executes the training ops (forward_backward ops of different
+runs together, as one multi-LoRA pass), starts the samples on the engine's decode loops, and
+runs one decode step of every loop. Each result is recorded with its usage in one transaction
+as it is ready: a training op's in its step, a sample's in the step its last token is chosen.
+So samples join and leave the loops between decode steps, and neither a new sample nor another
+run's training op waits for a long sample to end. Waiters are then woken through the notifier.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor, failed_forward_backwards
 from scheduler.worker.outcome import Outcome
 from scheduler.worker.recovery import RestoreImpossible, restore_run
+from scheduler.worker.sampling import SampleJobs
 from treadle.types.tokenizer_files import TOKENIZER_FILES
 from treadle.wire import DEFAULT_MAX_BODY_BYTES
 
@@ -137,14 +142,20 @@ class WorkerHost:
         self.lease = timedelta(seconds=lease_seconds)
         self.max_attempts = max_attempts
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         self._gaps_checked_at = 0.0
         self._evicted_at = time.monotonic()
-        self._unrecorded: dict[str, Task] = {}  # claimed by the current step, not yet recorded
+        # Claimed and not yet recorded: the current step's ops, and the samples in flight.
+        self._unrecorded: dict[str, Task] = {}
+        # An op claimed again after an interruption, while it is in flight: nothing joins it.
+        self._alone: str | None = None
         self.prices = PriceCache(clock)
         self.executor = Executor(
             engine, store, database, clock, max_request_bytes=max_request_bytes
         )
-        self._ready = oplog.ReadyQueries.build(worker_id if owned_only else None, max_sample_batch)
+        self.samples = SampleJobs(engine, store, database, clock)
+        self.max_sample_batch = max_sample_batch
+        self._ready = oplog.ReadyQueries.build(worker_id if owned_only else None)
 
     # --- start-up -------------------------------------------------------------------------
 
@@ -205,12 +216,20 @@ class WorkerHost:
             )
 
     def drain(self) -> int:
-        """Step until nothing is ready; safe to call from several threads."""
+        """Step until nothing is ready or in flight; safe to call from several threads."""
         total = 0
         with self._lock:
-            while done := self.step():
+            while not self._closing.is_set() and (done := self.step()):
                 total += done
         return total
+
+    def close(self) -> None:
+        """Stop stepping (after the current step) and give back what is in flight: its samples
+        leave the decode loops and their ops are queued again for whichever worker runs next."""
+        self._closing.set()
+        with self._lock:
+            if self._unrecorded:
+                self._release()
 
     def work(self) -> int:
         """What a worker's loop does each time it wakes or polls: run everything ready, and
@@ -267,28 +286,35 @@ class WorkerHost:
     # --- the loop body --------------------------------------------------------------------
 
     def step(self) -> int:
-        """Execute everything ready now; returns how many operations it claimed.
+        """Execute everything ready now and one decode step of the samples in flight; returns
+        how many operations it claimed, and at least 1 while samples are in flight or when one
+        finished (then `drain` goes on: what waited for the loops to run dry may be claimable).
 
         Every op is executed under its own guard, so one op's failure is that op's alone. A
-        step that still fails as a whole (a fault outside any op's guard) releases what it
-        claimed and had not recorded: each such op is queued again — and then claimed alone,
-        so that it cannot take batch-mates down with it twice — or, once it has been tried
-        `max_attempts` times, failed for good.
+        step that still fails as a whole (a fault outside any op's guard) drops the samples in
+        flight and releases what was claimed and not recorded: each such op is queued again —
+        and then claimed alone, so that it cannot take batch-mates down with it twice — or,
+        once it has been tried `max_attempts` times, failed for good.
         """
-        if self._unrecorded:
-            self._release()
-        tasks, given_up = self._claim()
-        if not tasks:
-            return given_up
-        self._unrecorded = {task.id: task for task in tasks}
+        if len(self._unrecorded) > self.samples.in_flight:
+            self._release()  # a failed step's ops that could not be released then
+        # A claim that fails claimed nothing: the samples in flight go on decoding.
+        tasks, given_up = self._claim() if self._alone not in self._unrecorded else ([], 0)
+        self._unrecorded.update((task.id, task) for task in tasks)
+        decoded = 0
         try:
             self._execute(tasks)
+            if self.samples.in_flight:
+                decoded = self._decode()
         except Exception:
-            log.exception("an engine step failed; releasing its %d operations", len(tasks))
+            log.exception(
+                "an engine step failed; releasing its %d operations", len(self._unrecorded)
+            )
             self._release()
-        return len(tasks)
+        return max(len(tasks) + given_up, 1 if self.samples.in_flight or decoded else 0)
 
     def _execute(self, tasks: list[Task]) -> None:
+        """Run the training ops and record them; start the samples (recording those refused)."""
         outcomes: dict[str, Outcome] = {}
         training = []
         for task in tasks:
@@ -307,17 +333,34 @@ class WorkerHost:
         # A live sample needs its run here (after a restart or a failover its training ops may
         # not have restored it yet); the run's own ops of this step ran just above.
         samples = [t for t in tasks if t.kind is OpKind.SAMPLE]
-        outcomes.update(self.executor.sample(samples, restore=self._restore))
+        outcomes.update(self.samples.start(samples, restore=self._restore))
         for task in tasks:
+            if task.id not in outcomes:
+                continue  # a sample now in flight
             due = self._record(task, outcomes[task.id])
             if due is not None:
                 self._snapshot(task, due)
 
+    def _decode(self) -> int:
+        """One decode step: record the samples it finished, publish the others' new tokens;
+        returns how many finished."""
+        finished = self.samples.step()
+        for task, outcome, rest in finished:
+            if rest:
+                self.notifier.publish_progress(task.id, rest)
+            self._record(task, outcome)
+        for op_id, progress in self.samples.progress():
+            self.notifier.publish_progress(op_id, progress)
+        return len(finished)
+
     def _release(self) -> None:
         """Queue the claimed but unrecorded ops again, or give up on those tried too often.
 
-        If the database refuses meanwhile, the ops stay claimed and the next step tries again.
+        Samples in flight are dropped from the decode loops first: they are claimed again and
+        start over. If the database refuses meanwhile, the ops stay claimed and the next step
+        tries again.
         """
+        self.samples.abort()
         tasks = list(self._unrecorded.values())
         try:
             with self.database.transaction() as db:
@@ -392,7 +435,13 @@ class WorkerHost:
                 self._gaps_checked_at = time.monotonic()
                 oplog.release_gaps(db, now, self.gap_timeout)
             ready, given_up = oplog.claim(
-                db, self._ready, worker_id=self.worker_id, now=now, max_attempts=self.max_attempts
+                db,
+                self._ready,
+                worker_id=self.worker_id,
+                now=now,
+                max_attempts=self.max_attempts,
+                max_samples=max(self.max_sample_batch - self.engine.sampling, 0),
+                busy=self.samples.in_flight > 0,
             )
             tasks = []
             for r in ready:
@@ -405,6 +454,8 @@ class WorkerHost:
                 tasks.append(
                     Task.of(r.op, r.base_model, r.sampler_version_id, failed, r.live_run_id)
                 )
+                if r.op.attempts > 1:
+                    self._alone = r.op.id
         for op in given_up:
             self.notifier.publish(op.id)
         return tasks, len(given_up)

@@ -102,3 +102,5 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
         )
     finally:
         stop.set()
+        # Samples in flight are queued again now, rather than once this worker's lease lapses.
+        host.close()

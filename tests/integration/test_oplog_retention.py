@@ -92,10 +92,11 @@ def test_retention_prunes_only_what_nothing_replays_once_old_enough(rows: Rows) 
     with rows.database.transaction() as db:
         ready, _ = oplog.claim(
             db,
-            oplog.ReadyQueries.build(None, 8),
+            oplog.ReadyQueries.build(None),
             worker_id="w1",
             now=rows.clock.now(),
             max_attempts=3,
+            max_samples=8,
         )
         assert {r.op.seq_id for r in ready if r.op.target_id == live} == {7}
         assert oplog.finish(db, sampled, rows.clock.now(), b"tokens", "json") is not None
@@ -137,10 +138,11 @@ def _sampled(rows: Rows, sampler: str, seq: int) -> str:
     with rows.database.transaction() as db:
         ready, _ = oplog.claim(
             db,
-            oplog.ReadyQueries.build(None, 8),
+            oplog.ReadyQueries.build(None),
             worker_id="w1",
             now=rows.clock.now(),
             max_attempts=3,
+            max_samples=8,
         )
         assert [r.op.id for r in ready] == [request_id]
         assert oplog.finish(db, request_id, rows.clock.now(), b"tokens", "json") is not None
