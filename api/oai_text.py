@@ -37,22 +37,46 @@ def _end_ids(tok: ServedTokenizer) -> set[int]:
     return {i for t in tok.end_texts if (i := tok.tokenizer.token_to_id(t)) is not None}
 
 
-def _settled(tok: ServedTokenizer, tokens: list[int]) -> str:
-    """The text of `tokens` that more tokens cannot change (no incomplete last character)."""
-    return tok.decode(tokens).rstrip(_INCOMPLETE)
+class _Detokenizer:
+    """A growing token list's text, decoded over a short window rather than from the start
+    each time: the tokens since the last settled text, and those before them for context
+    (a tokenizer decodes a token's leading space by what precedes it)."""
+
+    def __init__(self, tok: ServedTokenizer) -> None:
+        self._tok = tok
+        self._tokens: list[int] = []
+        self._start = 0  # the window's first token
+        self._read = 0  # the text of the tokens before this one is settled
+        self.text = ""
+
+    def push(self, tokens: list[int]) -> str:
+        """The text that `tokens` settle: none while the last character is incomplete."""
+        self._tokens += tokens
+        new = self._unsettled()
+        if not new or new.endswith(_INCOMPLETE):
+            return ""
+        self.text += new
+        self._start, self._read = self._read, len(self._tokens)
+        return new
+
+    def flush(self) -> str:
+        """The rest of the text, an incomplete last character included: the tokens are all in."""
+        new = self._unsettled()
+        self.text += new
+        self._start = self._read = len(self._tokens)
+        return new
+
+    def _unsettled(self) -> str:
+        before = self._tok.decode(self._tokens[self._start : self._read])
+        return self._tok.decode(self._tokens[self._start :])[len(before) :]
 
 
 def _pieces(tok: ServedTokenizer, tokens: list[int]) -> list[str]:
-    """Each token's share of the decoded text: what it settled, the last one taking the rest."""
-    full = tok.decode(tokens)
-    pieces, at = [], 0
-    for i in range(1, len(tokens)):
-        text = _settled(tok, tokens[:i])
-        end = len(text) if len(text) > at and full.startswith(text) else at
-        pieces.append(full[at:end])
-        at = end
-    if tokens:
-        pieces.append(full[at:])
+    """Each token's share of the text: what it settled, the last one taking the rest."""
+    text = _Detokenizer(tok)
+    pieces = [text.push([token]) for token in tokens]
+    if pieces:
+        pieces[-1] += text.flush()
     return pieces
 
 
@@ -114,30 +138,30 @@ class StreamedChoice:
     text sent so far, always a prefix of the finished text."""
 
     def __init__(self, tok: ServedTokenizer, stops: list[str]) -> None:
-        self._tok = tok
         self._end_ids = _end_ids(tok)
         # End-of-turn text written as plain tokens is held back too: it costs a short delay.
         self._held = [*stops, *tok.end_texts]
-        self._tokens: list[int] = []
+        self._text = _Detokenizer(tok)
+        self._received = 0
         self._ended = False
         self.sent = ""
 
     def add(self, offset: int, tokens: list[int]) -> str:
         """The text to send now that `tokens` arrived at `offset` of the choice's tokens; ""
         when they are out of order (a lost or late message: the result fills in)."""
-        if offset != len(self._tokens):
+        if offset != self._received:
             return ""
-        self._tokens += tokens
+        self._received += len(tokens)
         if self._ended:
             return ""
-        kept = self._tokens
-        for i, token in enumerate(tokens, start=offset):
+        for i, token in enumerate(tokens):
             if token in self._end_ids:
-                kept, self._ended = self._tokens[:i], True
+                tokens, self._ended = tokens[:i], True
                 break
-        text = _settled(self._tok, kept)
+        self._text.push(tokens)
+        text = self._text.text
         end = settled_end(text, self._held)
-        if end <= len(self.sent) or not text.startswith(self.sent):
+        if end <= len(self.sent):
             return ""
         new = text[len(self.sent) : end]
         self.sent += new

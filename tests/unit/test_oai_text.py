@@ -60,6 +60,20 @@ def test_streamed_pieces_add_up_to_the_finished_text_whatever_the_chunks(text: s
             assert not any(s in "".join(sent) for s in stops)
 
 
+def test_random_tokens_decode_as_a_whole_and_stream_the_same_text() -> None:
+    """Random ids include byte tokens that make invalid or split characters, and special
+    tokens: the text decoded piece by piece is the one decoded at once, and the streamed text
+    adds up to it."""
+    rng = random.Random(0)
+    vocabulary = TOK.tokenizer.get_vocab_size()
+    for _ in range(200):
+        tokens = [rng.randrange(vocabulary) for _ in range(rng.randint(0, 40))]
+        kept = tokens[: tokens.index(END)] if END in tokens else tokens
+        assert finish(TOK, _sequence(tokens), []).text == TOK.decode(kept)
+        sent, rest = _streamed(tokens, [], rng)
+        assert "".join(sent) + rest == TOK.decode(kept)
+
+
 def test_a_possible_stop_start_waits_and_is_sent_once_it_is_not_one() -> None:
     head = TOK.encode("once upon", special_tokens=False)
     tokens = TOK.encode("once upon the hill", special_tokens=False)
