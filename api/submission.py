@@ -18,7 +18,7 @@ from core.ids import training_run_id
 from core.tables import ModelVersion, RunStatus, SamplingSession, Tenant, TrainingRun
 from scheduler import oplog
 from scheduler.admission import admit_training_run
-from scheduler.ops import OpKind, encode_json_payload, refused
+from scheduler.ops import STREAMED, OpKind, encode_json_payload, refused
 from scheduler.submit import Submitted, submit, submit_training_op
 from treadle.types import SampleRequest, UntypedAPIFuture
 
@@ -84,7 +84,8 @@ def queue_sample(
     streamed_as: str | None = None,
 ) -> Submitted:
     """Queue one `sample` op on `sampler` for `/asample` and `/oai/v1` alike. `streamed_as` is
-    the op's id, chosen by a caller that watches its progress.
+    the op's id, chosen by a caller that watches its progress: the worker then publishes the
+    tokens as they are chosen (`Notifier.publish_progress`).
 
     Access to saved weights can end after the sampling session was created (deleted,
     unpublished), and a live run's weights live only while its session does: both are
@@ -115,7 +116,10 @@ def queue_sample(
         # 62 bits, as the engine's own fallback draws.
         params = params.model_copy(update={"seed": secrets.randbits(62)})
     body = body.model_copy(update={"sampling_session_id": sampler.id, "sampling_params": params})
-    payload, codec = encode_json_payload(body.model_dump(mode="json", exclude_none=True))
+    content = body.model_dump(mode="json", exclude_none=True)
+    if streamed_as is not None:
+        content[STREAMED] = True
+    payload, codec = encode_json_payload(content)
     return submit(
         db,
         state.clock,

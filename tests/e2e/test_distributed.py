@@ -8,8 +8,10 @@ import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 import tinker
 from sqlalchemy import func, select
@@ -17,7 +19,7 @@ from sqlalchemy import func, select
 from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
-from core.tables import ModelVersion, Operation, Session, TrainingRun, Worker
+from core.tables import ModelVersion, Operation, OpStatus, Session, TrainingRun, Worker
 from scheduler.ops import OpKind
 from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
@@ -87,6 +89,51 @@ def test_results_equal_embedded_mode(
     second = scenario(group.api_urls["a2"], key, 3)
     assert first == pytest.approx(embedded_losses[3], rel=1e-5)
     assert second == pytest.approx(embedded_losses[3], rel=1e-5)
+
+
+def test_oai_streams_the_tokens_a_worker_process_publishes_through_redis(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    """A streamed /oai/v1 completion on an API replica gets its text while a worker process
+    still generates it (progress through Redis), and the text equals the unstreamed one."""
+    group, database, make_tenant = running
+    tenant = make_tenant()
+    client = openai.OpenAI(
+        base_url=f"{group.api_urls['a2']}/oai/v1", api_key=tenant.key, max_retries=0, timeout=300
+    )
+    asked: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": "once upon",
+        "max_tokens": 300,
+        "seed": 4,
+        "n": 2,
+    }
+    for _ in range(120):  # the workers publish the tokenizer once started
+        try:
+            whole = client.completions.create(**asked)
+            break
+        except openai.BadRequestError as exc:
+            assert "not published yet" in str(exc)
+            time.sleep(1)
+    else:
+        pytest.fail("no worker published the tokenizer in two minutes")
+    texts, status = ["", ""], None
+    for chunk in client.completions.create(**asked, stream=True):
+        for choice in chunk.choices:
+            if choice.text and status is None:
+                with database.reader() as db:
+                    status = db.scalar(
+                        select(Operation.status)
+                        .where(
+                            Operation.tenant_id == tenant.tenant_id,
+                            Operation.kind == OpKind.SAMPLE,
+                        )
+                        .order_by(Operation.created_at.desc())
+                        .limit(1)
+                    )
+            texts[choice.index] += choice.text
+    assert status in (OpStatus.QUEUED, OpStatus.RUNNING)
+    assert texts == [c.text for c in whole.choices]
 
 
 def test_many_runs_on_two_workers_keep_order_and_run_each_op_once(

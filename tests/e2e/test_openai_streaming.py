@@ -1,7 +1,7 @@
 """`/oai/v1` streams text while the model generates, through the official `openai` client: per
 choice the streamed deltas add up to exactly the unstreamed answer of the same seeded request
-(stop strings and end-of-turn held back), and a result that does not continue the text
-already sent ends the stream with an error, never wrong text."""
+(stop strings and end-of-turn held back), deltas arrive while the op still runs, and a result
+that does not continue the text already sent ends the stream with an error, never wrong text."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import openai
 import pytest
+from sqlalchemy import select
 
+from core.tables import Operation, OpStatus
 from scheduler.notify import ProgressWatch
 from tests.builders import TenantKey
 from tests.scenarios import MODEL
@@ -94,6 +96,29 @@ def test_streamed_chat_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
     assert texts == [c.message.content for c in whole.choices]
     assert reasons == [c.finish_reason for c in whole.choices]
     assert usage == whole.usage
+
+
+def test_text_arrives_while_the_op_still_runs(
+    live_server: LiveServer, client: openai.OpenAI, tenant: TenantKey
+) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt="once upon", max_tokens=400, seed=2, n=4, stream=True
+    )
+    status, deltas = None, 0
+    for chunk in stream:
+        if any(c.text for c in chunk.choices) and status is None:
+            with live_server.database.reader() as db:
+                status = db.scalar(
+                    select(Operation.status)
+                    .where(Operation.tenant_id == tenant.tenant_id, Operation.kind == "sample")
+                    .order_by(Operation.created_at.desc())
+                    .limit(1)
+                )
+        deltas += sum(1 for c in chunk.choices if c.text)
+    # Four choices of up to 400 tokens take many decode steps: the first text came with the
+    # first progress, long before the result.
+    assert status in (OpStatus.QUEUED, OpStatus.RUNNING)
+    assert deltas > 4
 
 
 def test_a_result_that_does_not_continue_the_streamed_text_ends_the_stream_with_an_error(
