@@ -78,8 +78,9 @@ _ERRORS = {
 }
 _STREAM: dict[int | str, dict[str, Any]] = {
     200: {
-        "description": "The completion; with `stream=true`, server-sent events (`data: {chunk}` "
-        "lines, then `data: [DONE]`).",
+        "description": "The completion; with `stream=true`, server-sent events as the model "
+        "generates (`data: {chunk}` lines, then `data: [DONE]`, or a `data: {error}` line "
+        "when the completion fails after its stream started).",
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     }
 }
