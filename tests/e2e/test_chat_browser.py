@@ -1,8 +1,8 @@
 """The chat page in a real browser (the system's chromium, driven by Playwright) against an
 embedded server: a wrong key shows the server's refusal; a tenant's key lists its live training
 run first; a message to the run streams its answer into the page chunk by chunk, with a finish
-reason and usage; the key travels only in the Authorization header and survives a reload of the
-tab."""
+reason and usage; an error event after the answer started shows it cut off; the key travels
+only in the Authorization header and survives a reload of the tab."""
 
 from __future__ import annotations
 
@@ -136,3 +136,35 @@ def test_chat_with_a_live_run_streams_its_answer(
     page.click("#logout")
     expect(page.locator("#login-panel")).to_be_visible()
     assert page.evaluate("sessionStorage.length") == 0
+
+
+def test_an_error_after_the_answer_started_shows_it_cut_off(
+    live_server: LiveServer,
+    tenant: TenantKey,
+    live_run: str,
+    page: Page,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Progress published by hand that the result does not continue (as after a worker failure
+    re-chose the tokens) makes the server end the stream with an error event."""
+    notifier = live_server.app.state.treadle.notifier
+    watch_progress = notifier.watch_progress
+
+    def watch_with_false_start(op_id: str) -> Any:
+        watch = watch_progress(op_id)
+        notifier.publish_progress(op_id, {0: (0, list(range(300, 340)))})
+        return watch
+
+    monkeypatch.setattr(notifier, "watch_progress", watch_with_false_start)
+    page.goto(f"{live_server.base_url}/chat")
+    page.fill("#key", tenant.key)
+    page.click("#login-button")
+    expect(page.locator("#chat-panel")).to_be_visible()
+    page.fill("#max-tokens", "12")
+    page.fill("#message", "hello there")
+    page.press("#message", "Enter")
+    expect(page.locator("#chat-error")).to_contain_text("The answer was cut off", timeout=120_000)
+    expect(page.locator("#chat-error")).to_contain_text("chose other tokens")
+    answer = page.locator("#transcript li.assistant")
+    expect(answer).not_to_have_class("assistant streaming")
+    assert page.text_content("#finish") == ""
