@@ -25,7 +25,8 @@ Progress = dict[int, tuple[int, list[int]]]
 
 class ProgressWatch:
     """The progress messages of one op, queued on the event loop that reads them. Any thread may
-    deliver; only that loop reads. Cancelling a `next` loses no message."""
+    deliver; only that loop reads. A cancelled `next` leaves its message queued, or (when the
+    message had already woken it) returns it all the same."""
 
     def __init__(self, op_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.op_id = op_id
