@@ -18,6 +18,13 @@ pytestmark = pytest.mark.e2e
 CLI = str(Path(sys.executable).with_name("treadle-server"))
 
 
+@pytest.fixture
+def database_url(sqlite_url: str) -> str:
+    """One database: each command's subprocesses cost seconds, and what the commands write is
+    tested on both databases by the integration tests."""
+    return sqlite_url
+
+
 def _cli(tmp_path: Path, database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
     env.update(

@@ -67,6 +67,10 @@ def running(
         yield group, database, tenant_factory(database, settings)
 
 
+ONE_STORE = pytest.mark.parametrize("running", ["shared-folder"], indirect=True)
+"""For a test that never reads an artifact back: the cluster with the shared folder is enough."""
+
+
 @pytest.fixture(scope="module")
 def embedded_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[float]]:
     server = start_server(tmp_path_factory.mktemp("embedded"))
@@ -91,6 +95,7 @@ def test_results_equal_embedded_mode(
     assert second == pytest.approx(embedded_losses[3], rel=1e-5)
 
 
+@ONE_STORE
 def test_oai_streams_the_tokens_a_worker_process_publishes_through_redis(
     running: tuple[Cluster, Database, TenantFactory],
 ) -> None:
@@ -136,6 +141,7 @@ def test_oai_streams_the_tokens_a_worker_process_publishes_through_redis(
     assert texts == [c.text for c in whole.choices]
 
 
+@ONE_STORE
 def test_many_runs_on_two_workers_keep_order_and_run_each_op_once(
     running: tuple[Cluster, Database, TenantFactory],
 ) -> None:
@@ -312,6 +318,7 @@ def test_killed_worker_costs_latency_not_errors(
     )
 
 
+@ONE_STORE
 def test_killed_api_replica_costs_retries_not_results(
     running: tuple[Cluster, Database, TenantFactory],
 ) -> None:
@@ -335,6 +342,7 @@ def test_killed_api_replica_costs_retries_not_results(
         proxy.close()
 
 
+@ONE_STORE
 def test_beat_expires_silent_sessions_and_workers_free_their_memory(
     running: tuple[Cluster, Database, TenantFactory],
 ) -> None:
