@@ -11,13 +11,24 @@ adapters:
    (`PeftModel.from_pretrained` of the engine's exported adapters on a fresh copy of the same
    base model, `set_adapter` per request), sampling the same number of tokens;
 4. time to first token: the requests with max_tokens=1, all of them in one call, one alone,
-   and one through `generate`.
+   and one through `generate`;
+5. arrivals: `--arrivals` requests arriving one every `interval` seconds (a quarter of one
+   request's measured time alone, so arrivals overlap decoding), on the same engine, two ways
+   in turn: continuous (each step first `sample_start`s every request that has arrived, so it
+   joins the running loop) and batch at a time (when idle, start every request that has
+   arrived and step until all of them finish: the steps of one `sample_batch`, the worker's
+   former way, taken here one by one so that first tokens show). Per way: latency from
+   arrival to finish (mean, p90), time from arrival to the first token (`sample_progress`
+   after each step), tokens/s over the whole run; ratios are batch over continuous for
+   times, continuous over batch for tokens/s (higher is better).
 
-Run: `python bench/sampling.py [--device cuda] [--threads 1]`. Timings are medians over
-`--repeats` after one warm-up, the measurements of one size taken in turn within each repeat
-so that a busy machine slows all of them alike; `other_load` is the share of the machine
-other processes used meanwhile (see bench/engine.py). Ratios are engine tokens/s over the
-baseline's (higher is better).
+Run: `python bench/sampling.py [--device cuda] [--threads 1] [--arrivals 0]` (0 skips the
+arrivals). Timings are medians over `--repeats` after one warm-up, the measurements of one
+size taken in turn within each repeat so that a busy machine slows all of them alike;
+`other_load` is the share of the machine other processes used meanwhile (see
+bench/engine.py). Ratios are engine tokens/s over the baseline's (higher is better). The
+arrivals run without a warm-up, on the engine the other measurements warmed, in simulated
+time driven by the real clock.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.engine import _cpu_busy
 from gpu_worker.engine import Engine, EngineSettings
-from gpu_worker.protocol import LoraSpec, SampleRequest, SamplingParams
+from gpu_worker.protocol import LoraSpec, OpError, SampleRequest, SamplingParams
 
 ADAPTERS = 4
 
@@ -113,6 +124,87 @@ def interleaved(
     return {name: statistics.median(t) for name, t in times.items()}, round(other, 3)
 
 
+def arrivals_run(
+    engine: Engine, requests: list[SampleRequest], interval: float, continuous: bool
+) -> dict[str, float]:
+    """Request i arrives `i * interval` s after the start; continuous admits arrivals before
+    every step, batch at a time only once every started request has finished. Seconds from
+    arrival to first token and to finish, averaged, and tokens/s over the run."""
+    n = len(requests)
+    first: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    started: set[int] = set()
+    admitted = 0
+    t0 = time.perf_counter()
+    while len(finish) < n:
+        now = time.perf_counter() - t0
+        if continuous or engine.sampling == 0:
+            while admitted < n and admitted * interval <= now:
+                refused = engine.sample_start(f"arrival-{admitted}", requests[admitted])
+                assert refused is None, refused
+                started.add(admitted)
+                admitted += 1
+        if engine.sampling == 0:  # nothing arrived yet: wait for the next request
+            time.sleep(max(0.0, admitted * interval - now))
+            continue
+        done = engine.sample_step()
+        now = time.perf_counter() - t0
+        for i in started:
+            if i not in first and engine.sample_progress(f"arrival-{i}"):
+                first[i] = now
+        for key, outcome in done:
+            assert not isinstance(outcome, OpError), outcome
+            i = int(key.rsplit("-", 1)[1])
+            first.setdefault(i, now)  # finished within the step that chose its first token
+            finish[i] = now
+            started.discard(i)
+    latency = [finish[i] - i * interval for i in range(n)]
+    tokens = sum(r.params.max_tokens for r in requests)
+    return {
+        "latency_s_mean": statistics.mean(latency),
+        "latency_s_p90": float(np.percentile(latency, 90)),
+        "ttft_s_mean": statistics.mean(first[i] - i * interval for i in range(n)),
+        "tokens_per_s": tokens / max(finish.values()),
+    }
+
+
+def arrivals(
+    engine: Engine, requests: list[SampleRequest], interval: float, repeats: int
+) -> dict[str, object]:
+    """Both ways of `arrivals_run` in turn in every repeat; medians, ratios, other load."""
+    runs: dict[str, list[dict[str, float]]] = {"continuous": [], "batch_at_a_time": []}
+    t0, o0 = _cpu_busy()
+    for _ in range(repeats):
+        for way, measured in runs.items():
+            measured.append(arrivals_run(engine, requests, interval, way == "continuous"))
+    t1, o1 = _cpu_busy()
+    med = {
+        way: {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+        for way, measured in runs.items()
+    }
+    cont, batch = med["continuous"], med["batch_at_a_time"]
+    report: dict[str, object] = {"requests": len(requests), "interval_ms": round(interval * 1e3, 1)}
+    for way, m in med.items():
+        report[way] = {
+            "latency_ms_mean": round(m["latency_s_mean"] * 1e3, 1),
+            "latency_ms_p90": round(m["latency_s_p90"] * 1e3, 1),
+            "ttft_ms_mean": round(m["ttft_s_mean"] * 1e3, 1),
+            "tokens_per_s": round(m["tokens_per_s"], 1),
+        }
+    report["batch_over_continuous_latency_mean"] = round(
+        batch["latency_s_mean"] / cont["latency_s_mean"], 2
+    )
+    report["batch_over_continuous_latency_p90"] = round(
+        batch["latency_s_p90"] / cont["latency_s_p90"], 2
+    )
+    report["batch_over_continuous_ttft_mean"] = round(batch["ttft_s_mean"] / cont["ttft_s_mean"], 2)
+    report["continuous_over_batch_tokens_per_s"] = round(
+        cont["tokens_per_s"] / batch["tokens_per_s"], 2
+    )
+    report["other_load"] = round((o1 - o0) / (t1 - t0), 3) if t1 > t0 else 0.0
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="treadle/tiny-10m")
@@ -123,6 +215,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,16,64", help="concurrent request counts")
     parser.add_argument(
         "--sequential", type=int, default=4, help="requests of each set timed one by one"
+    )
+    parser.add_argument(
+        "--arrivals", type=int, default=32, help="requests arriving one by one (0: skip)"
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -163,6 +258,7 @@ def main() -> None:
     def sample_alone(request: SampleRequest) -> None:
         engine.sample_batch([request])
 
+    token_s: list[float] = []  # one request alone: seconds per sampled token, per size
     for n in sizes:
         requests = make_requests(vocab, n, T)
         alone = requests[: args.sequential]
@@ -180,6 +276,7 @@ def main() -> None:
         )
         rate = n * T / times["concurrent"]
         seq_rate = len(alone) * T / times["sequential"]
+        token_s.append(1 / seq_rate)
         hf_rate = len(alone) * T / times["generate"]
         report[f"concurrent_{n}"] = {
             "tokens_per_s": round(rate, 1),
@@ -192,6 +289,12 @@ def main() -> None:
             "ttft_ms_transformers_generate": round(times["ttft_generate"] * 1e3, 1),
             "other_load": other,
         }
+    if args.arrivals > 0:
+        interval = statistics.median(token_s) * T / 4
+        print(f"arrivals: one every {interval * 1e3:.1f} ms", file=sys.stderr)
+        report["arrivals"] = arrivals(
+            engine, make_requests(vocab, args.arrivals, T), interval, args.repeats
+        )
     report["goals"] = {
         "concurrent_64_over_sequential": 3.0,
         "concurrent_over_transformers_generate": 1.0,
