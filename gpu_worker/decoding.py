@@ -3,9 +3,9 @@
 Jobs join their model's loop between steps and leave it when they finish or are aborted; a step
 advances every loop that has work, once. Before a run's weights change, `freeze` points the
 jobs still sampling them at one frozen copy, so a job samples the weights it started with. A
-loop that raises fails its own jobs and starts over empty; the other models' loops go on.
-Results that finish while a caller waits for its own jobs (`finish`) are kept for the next
-`step`, so no caller's result is lost.
+loop that raises ends its own jobs as interrupted and starts over empty; the other models'
+loops go on. Results that finish while a caller waits for its own jobs (`finish`) are kept for
+the next `step`, so no caller's result is lost.
 
 This module knows nothing of runs, validation or where the keys come from.
 """
@@ -65,9 +65,11 @@ class DecodeLoops:
             try:
                 completed = sampler.step()
             except Exception as exc:
-                log.exception("the decode loop of %s failed; failing its %d jobs", model, len(keys))
+                log.exception(
+                    "the decode loop of %s failed; interrupting its %d jobs", model, len(keys)
+                )
                 del self._samplers[model]  # the next job on this model starts a fresh loop
-                error = OpError("server", f"{type(exc).__name__}: {exc}")
+                error = OpError("server", f"{type(exc).__name__}: {exc}", interrupted=True)
                 for key in keys.values():
                     del self._jobs[key]
                     out.append((key, error))

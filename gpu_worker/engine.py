@@ -356,8 +356,9 @@ class Engine:
     def sample_step(self) -> list[tuple[str, SampleResult | OpError]]:
         """One decode step of every base model's loop that has work (prefilling the jobs added
         since the last step); returns the jobs that finished in it, and those that finished
-        during a `sample_batch` since the last call. A failure inside one model's loop fails all
-        that loop's jobs with a server OpError and resets that loop (others go on)."""
+        during a `sample_batch` since the last call. A failure inside one model's loop ends all
+        that loop's jobs with a server OpError marked `interrupted` and resets that loop
+        (others go on)."""
         with self._lock:
             return self._loops.step()
 

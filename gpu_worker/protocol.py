@@ -96,11 +96,14 @@ class ForwardBackwardOp:
 @dataclass
 class OpError:
     """Why one op of a batch failed; `category` is "user" for bad input, else "server", and
-    `unsupported` marks input that asks for what the engine does not offer."""
+    `unsupported` marks input that asks for what the engine does not offer. `interrupted`
+    marks a job dropped because the decode loop it shared failed: the fault may be any of the
+    loop's jobs, so it is no answer to this one's request, which may be tried again."""
 
     category: Literal["user", "server"]
     message: str
     unsupported: bool = False
+    interrupted: bool = False
 
     @classmethod
     def of_input(cls, exc: UserInputError) -> OpError:

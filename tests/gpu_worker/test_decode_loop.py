@@ -198,7 +198,7 @@ def test_a_failing_loop_fails_its_own_jobs_and_starts_over(loops, monkeypatch):
     loops.sample_start("broken", request(1, max_tokens=4))
     loops.sample_start("healthy", healthy)
     out = dict(loops.sample_step())
-    assert out["broken"] == OpError("server", "RuntimeError: device lost")
+    assert out["broken"] == OpError("server", "RuntimeError: device lost", interrupted=True)
     assert loops.sampling == 1
     monkeypatch.setattr(Sampler, "_feed", real_feed)
     out = finish(loops, {"healthy"})
