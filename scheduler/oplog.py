@@ -274,15 +274,28 @@ def advance_run(
 
 
 def requeue(
-    db: OrmSession, op_ids: list[str], *, worker_id: str, max_attempts: int, now: datetime
+    db: OrmSession,
+    op_ids: list[str],
+    *,
+    worker_id: str,
+    max_attempts: int,
+    now: datetime,
+    counted: bool = True,
 ) -> None:
     """Queue again the ops this worker claimed and could not record (a failed engine step), or
-    give up on those tried `max_attempts` times."""
+    give up on those tried `max_attempts` times.
+
+    With `counted` false the claim is taken back instead (a worker stopping on purpose): the
+    op was not interrupted by anything of its own, so it is neither given up nor made to run
+    alone for it.
+    """
     for op_id in op_ids:
         op = db.get(Operation, op_id, options=[defer(Operation.payload)])
         if op is None or op.status != OpStatus.RUNNING or op.worker_id != worker_id:
             continue
-        if op.attempts >= max_attempts:
+        if not counted:
+            op.status, op.attempts = OpStatus.QUEUED, max(op.attempts - 1, 0)
+        elif op.attempts >= max_attempts:
             give_up(db, op, now)
         else:
             op.status = OpStatus.QUEUED

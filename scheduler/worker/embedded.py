@@ -80,10 +80,10 @@ class EmbeddedDispatcher:
         self._ready.set()
         while not self._stop.is_set():
             try:
-                host.work()  # until nothing is ready
+                host.drain()  # until nothing is ready
             except Exception:
                 log.exception("engine step failed")
-            # A wake-up that came after work() last looked is still set: no wait then.
+            # A wake-up that came after drain() last looked is still set: no wait then.
             self._wake.wait(self._idle_poll)
             self._wake.clear()
 

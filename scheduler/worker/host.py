@@ -4,7 +4,8 @@ It is the only part of the scheduler that imports the engine. Each `step()` clai
 ready — for every training run the op whose seq_id comes next, and as many pending samples as
 the decode loops have room for — executes the training ops (forward_backward ops of different
 runs together, as one multi-LoRA pass), starts the samples on the engine's decode loops, and
-runs one decode step of every loop. Each result is recorded with its usage in one transaction
+runs one decode step of every loop (while samples decode, it looks for new work at most every
+CLAIM_WHILE_DECODING_SECONDS). Each result is recorded with its usage in one transaction
 as it is ready: a training op's in its step, a sample's in the step its last token is chosen.
 So samples join and leave the loops between decode steps, and neither a new sample nor another
 run's training op waits for a long sample to end. Waiters are then woken through the notifier.
@@ -102,6 +103,15 @@ def start_host(
 # How often the engine looks for runs whose sessions ended, to free their memory.
 EVICT_EVERY_SECONDS = 15.0
 
+# How often a host with samples in flight looks for work between its decode steps. Each look is
+# a read and, when anything is queued anywhere (other workers' ops, samples beyond this host's
+# room), a write transaction; at every decode step (milliseconds) that loads the database for
+# nothing, and 20 ms delays a newcomer by about one decode step.
+CLAIM_WHILE_DECODING_SECONDS = 0.02
+
+# How often a failing claim (e.g. a locked database) is logged at most while decoding goes on.
+CLAIM_WARNING_EVERY_SECONDS = 5.0
+
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotDue:
@@ -127,6 +137,7 @@ class WorkerHost:
         lease_seconds: float = 15.0,
         max_attempts: int = 3,
         max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        claim_while_decoding_seconds: float = CLAIM_WHILE_DECODING_SECONDS,
     ) -> None:
         self.database = database
         self.clock = clock
@@ -145,6 +156,9 @@ class WorkerHost:
         self._closing = threading.Event()
         self._gaps_checked_at = 0.0
         self._evicted_at = time.monotonic()
+        self.claim_while_decoding = claim_while_decoding_seconds
+        self._claimed_at = float("-inf")
+        self._claim_warned_at = float("-inf")
         # Claimed and not yet recorded: the current step's ops, and the samples in flight.
         self._unrecorded: dict[str, Task] = {}
         # An op claimed again after an interruption, while it is in flight: nothing joins it.
@@ -216,29 +230,49 @@ class WorkerHost:
             )
 
     def drain(self) -> int:
-        """Step until nothing is ready or in flight; safe to call from several threads."""
+        """Step until nothing is ready or in flight; safe to call from several threads.
+
+        Between steps it frees the runs whose sessions ended, every EVICT_EVERY_SECONDS
+        (samples may keep it stepping for hours). Once `stop` is called it returns after the
+        current step, giving back what is in flight.
+        """
         total = 0
         with self._lock:
-            while not self._closing.is_set() and (done := self.step()):
+            while not self._closing.is_set():
+                self._evict_when_due()
+                done = self.step()
+                if not done:
+                    break
                 total += done
+            if self._closing.is_set() and self._unrecorded:
+                self._release(counted=False)
         return total
+
+    def stop(self) -> None:
+        """Stop claiming and stepping: a `drain` in progress gives back what is in flight and
+        returns after its current step. Only sets a flag, so a signal handler may call it."""
+        self._closing.set()
 
     def close(self) -> None:
         """Stop stepping (after the current step) and give back what is in flight: its samples
-        leave the decode loops and their ops are queued again for whichever worker runs next."""
-        self._closing.set()
+        leave the decode loops and their ops are queued again for whichever worker runs next,
+        without counting as an attempt (a stop on purpose interrupted nothing of theirs)."""
+        self.stop()
         with self._lock:
             if self._unrecorded:
-                self._release()
+                self._release(counted=False)
 
-    def work(self) -> int:
-        """What a worker's loop does each time it wakes or polls: run everything ready, and
-        every EVICT_EVERY_SECONDS free the runs whose sessions ended. Returns ops claimed."""
-        done = self.drain()
-        if time.monotonic() - self._evicted_at >= EVICT_EVERY_SECONDS:
-            self._evicted_at = time.monotonic()
-            self.evict_ended()
-        return done
+    def _evict_when_due(self) -> None:
+        """`evict_ended` if EVICT_EVERY_SECONDS have passed since it last ran; the caller holds
+        the step lock."""
+        if time.monotonic() - self._evicted_at < EVICT_EVERY_SECONDS:
+            return
+        self._evicted_at = time.monotonic()
+        try:
+            self._evict_ended()
+        except Exception:
+            # Like a failed claim, it must not stop the samples in flight: try at the next turn.
+            log.exception("freeing the runs whose sessions ended failed; retrying later")
 
     def evict_ended(self) -> list[str]:
         """Drop runs and samplers whose session ended or that moved away, freeing their memory.
@@ -247,6 +281,10 @@ class WorkerHost:
         checkpoint is deleted, expired, or unpublished with only other tenants' sessions on it,
         they go too.
         """
+        with self._lock:
+            return self._evict_ended()
+
+    def _evict_ended(self) -> list[str]:
         held = self.engine.run_ids()
         if not held:
             return []
@@ -276,9 +314,8 @@ class WorkerHost:
             )
         keep |= {f"sampler:{version}" for version in samplers}
         dropped = [run_id for run_id in held if run_id not in keep]
-        with self._lock:
-            for run_id in dropped:
-                self.engine.remove_run(run_id)
+        for run_id in dropped:
+            self.engine.remove_run(run_id)
         if dropped:
             log.info("freed %d runs whose sessions ended", len(dropped))
         return dropped
@@ -286,7 +323,8 @@ class WorkerHost:
     # --- the loop body --------------------------------------------------------------------
 
     def step(self) -> int:
-        """Execute everything ready now and one decode step of the samples in flight; returns
+        """Execute everything ready now (while samples are in flight, claiming at most every
+        `claim_while_decoding` seconds) and one decode step of the samples in flight; returns
         how many operations it claimed, and at least 1 while samples are in flight or when one
         finished (then `drain` goes on: what waited for the loops to run dry may be claimable).
 
@@ -296,10 +334,11 @@ class WorkerHost:
         and then claimed alone, so that it cannot take batch-mates down with it twice — or,
         once it has been tried `max_attempts` times, failed for good.
         """
-        if len(self._unrecorded) > self.samples.in_flight:
-            self._release()  # a failed step's ops that could not be released then
-        # A claim that fails claimed nothing: the samples in flight go on decoding.
-        tasks, given_up = self._claim() if self._alone not in self._unrecorded else ([], 0)
+        # A failed step's or interrupted samples' ops that could not be queued again then.
+        stale = [t for t in self._unrecorded.values() if not self.samples.running(t.id)]
+        if stale:
+            self._requeue(stale, counted=True)
+        tasks, given_up = self._claim_when_due()
         self._unrecorded.update((task.id, task) for task in tasks)
         decoded = 0
         try:
@@ -310,7 +349,7 @@ class WorkerHost:
             log.exception(
                 "an engine step failed; releasing its %d operations", len(self._unrecorded)
             )
-            self._release()
+            self._release(counted=True)
         return max(len(tasks) + given_up, 1 if self.samples.in_flight or decoded else 0)
 
     def _execute(self, tasks: list[Task]) -> None:
@@ -342,26 +381,29 @@ class WorkerHost:
                 self._snapshot(task, due)
 
     def _decode(self) -> int:
-        """One decode step: record the samples it finished, publish the others' new tokens;
-        returns how many finished."""
-        finished = self.samples.step()
-        for task, outcome, rest in finished:
+        """One decode step: record the samples it finished, queue again those its failed loops
+        interrupted (counted as attempts: one of them may be the fault, and it is then claimed
+        alone, or given up), publish the others' new tokens; returns how many ended."""
+        decoded = self.samples.step()
+        for task, outcome, rest in decoded.finished:
             if rest:
                 self.notifier.publish_progress(task.id, rest)
             self._record(task, outcome)
+        if decoded.interrupted:
+            self._requeue(decoded.interrupted, counted=True)
         for op_id, progress in self.samples.progress():
             self.notifier.publish_progress(op_id, progress)
-        return len(finished)
+        return len(decoded.finished) + len(decoded.interrupted)
 
-    def _release(self) -> None:
-        """Queue the claimed but unrecorded ops again, or give up on those tried too often.
-
-        Samples in flight are dropped from the decode loops first: they are claimed again and
-        start over. If the database refuses meanwhile, the ops stay claimed and the next step
-        tries again.
-        """
+    def _release(self, *, counted: bool) -> None:
+        """Drop the samples in flight from the decode loops and queue every claimed but
+        unrecorded op again (they start over); `counted` as in `oplog.requeue`."""
         self.samples.abort()
-        tasks = list(self._unrecorded.values())
+        self._requeue(list(self._unrecorded.values()), counted=counted)
+
+    def _requeue(self, tasks: list[Task], *, counted: bool) -> None:
+        """Queue `tasks` again, or give up on those tried too often. If the database refuses,
+        they stay claimed and unrecorded, and the next step tries again."""
         try:
             with self.database.transaction() as db:
                 oplog.requeue(
@@ -370,12 +412,13 @@ class WorkerHost:
                     worker_id=self.worker_id,
                     max_attempts=self.max_attempts,
                     now=self.clock.now(),
+                    counted=counted,
                 )
         except Exception:
             log.exception("could not release %d operations; retrying at the next step", len(tasks))
             return
-        self._unrecorded.clear()
         for task in tasks:
+            self._unrecorded.pop(task.id, None)
             self.notifier.publish(task.id)
 
     def _ensure_loaded(self, task: Task) -> Outcome | None:
@@ -419,6 +462,24 @@ class WorkerHost:
                 runs.record_snapshot(run, task.seq_id, uri)
         if due.previous is not None and due.previous != uri:
             self.store.delete(due.previous)
+
+    def _claim_when_due(self) -> tuple[list[Task], int]:
+        """`_claim`, unless an op claimed alone is in flight, or samples are in flight and the
+        last claim is under `claim_while_decoding` seconds old. A claim that fails claimed
+        nothing: the samples in flight go on decoding."""
+        if self._alone in self._unrecorded:
+            return [], 0
+        now = time.monotonic()
+        if self.samples.in_flight and now - self._claimed_at < self.claim_while_decoding:
+            return [], 0
+        self._claimed_at = now
+        try:
+            return self._claim()
+        except Exception as exc:
+            if now - self._claim_warned_at >= CLAIM_WARNING_EVERY_SECONDS:
+                self._claim_warned_at = now
+                log.warning("claiming work failed (%s: %s); retrying", type(exc).__name__, exc)
+            return [], 0
 
     def _claim(self) -> tuple[list[Task], int]:
         """Claim what is ready; also returns how many ops it gave up on instead."""

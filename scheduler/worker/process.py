@@ -12,6 +12,8 @@ import socket
 import threading
 import uuid
 
+from celery.signals import worker_shutting_down
+
 from core.clock import SystemClock
 from core.db import Database
 from core.objectstore import open_store
@@ -66,10 +68,16 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     def poll() -> None:
         while not stop.wait(POLL_SECONDS):
             try:
-                host.work()
+                host.drain()
             except Exception:
                 log.exception("worker poll failed; continuing")
 
+    def stop_claiming(**_: object) -> None:
+        # Celery's warm shutdown waits for the task in progress: a drain() that, under steady
+        # traffic, would step and claim for ever. Stopped, it gives back what is in flight.
+        host.stop()
+
+    worker_shutting_down.connect(stop_claiming, weak=False)
     threading.Thread(target=keep_lease, name="treadle-lease", daemon=True).start()
     threading.Thread(target=poll, name="treadle-poll", daemon=True).start()
     app = make_celery(settings)

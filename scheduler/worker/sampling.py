@@ -66,6 +66,18 @@ class _InFlight:
         return new
 
 
+@dataclasses.dataclass
+class Decoded:
+    """What one decode step ended."""
+
+    finished: list[tuple[Task, Outcome, Progress]]
+    """Each with its outcome and, when streamed, the tokens not yet published (so the stream
+    is whole before the op is recorded)."""
+    interrupted: list[Task]
+    """Dropped because their decode loop failed: to be queued again, not failed, since the
+    fault may be any job of the loop."""
+
+
 class SampleJobs:
     def __init__(
         self,
@@ -95,10 +107,18 @@ class SampleJobs:
     ) -> dict[str, Outcome]:
         """Start `tasks` on the engine's decode loops; returns the outcomes of those refused at
         once. `restore` brings a live sample's training run into the engine when it is not
-        there (the host's recovery); without it such a sample fails."""
+        there (the host's recovery); without it such a sample fails. A task already in flight
+        here is left to the job running it."""
         outcomes: dict[str, Outcome] = {}
         revoked = self._revoked(tasks)
         for task in tasks:
+            if task.id in self._in_flight:
+                # Claimed again while it runs here (its claim was taken back meanwhile): the job in
+                # flight records it; a second one under its key would be refused by the engine.
+                log.warning(
+                    "sample %s is already running here; its second claim is ignored", task.id
+                )
+                continue
             try:
                 if task.id in revoked:
                     raise Refused(revoked[task.id])
@@ -137,11 +157,9 @@ class SampleJobs:
             self.engine.sample_abort([key])
             raise
 
-    def step(self) -> list[tuple[Task, Outcome, Progress]]:
-        """One decode step of every loop; the ops that finished in it, each with its outcome
-        and, when streamed, the tokens not yet published (so the stream is whole before the
-        op is recorded)."""
-        finished: list[tuple[Task, Outcome, Progress]] = []
+    def step(self) -> Decoded:
+        """One decode step of every loop; the ops that finished or were interrupted in it."""
+        decoded = Decoded([], [])
         for key, result in self.engine.sample_step():
             job = self._in_flight.pop(key, None)
             if job is None:
@@ -149,6 +167,9 @@ class SampleJobs:
                 continue
             task, wire = job.task, job.wire
             rest: Progress = {}
+            if isinstance(result, ep.OpError) and result.interrupted:
+                decoded.interrupted.append(task)
+                continue
             if isinstance(result, ep.OpError):
                 outcome = Outcome.failed(OpFailure.of_engine(result))
             else:
@@ -162,8 +183,8 @@ class SampleJobs:
                 )
                 if job.streamed:
                     rest = job.new_tokens([list(s.tokens) for s in result.sequences])
-            finished.append((task, outcome, rest))
-        return finished
+            decoded.finished.append((task, outcome, rest))
+        return decoded
 
     def progress(self) -> list[tuple[str, Progress]]:
         """The tokens chosen since their last publication, of each streamed op in flight whose

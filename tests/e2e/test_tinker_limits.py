@@ -47,8 +47,8 @@ class GatedHost:
     def __init__(self, host: WorkerHost, gate: Gate) -> None:
         self.host, self.gate = host, gate
 
-    def work(self) -> int:
-        return self.host.work() if self.gate.opened.wait(0.05) else 0
+    def drain(self) -> int:
+        return self.host.drain() if self.gate.opened.wait(0.05) else 0
 
 
 class StatusRecorder:

@@ -80,7 +80,12 @@ def host(rows: Rows, engine: Engine, notifier: RecordingNotifier, tmp_path: Path
     from scheduler.worker.host import WorkerHost
 
     host = WorkerHost(
-        rows.database, rows.clock, engine, LocalArtifactStore(tmp_path / "artifacts"), notifier
+        rows.database,
+        rows.clock,
+        engine,
+        LocalArtifactStore(tmp_path / "artifacts"),
+        notifier,
+        claim_while_decoding_seconds=0.0,  # every step claims: tests count steps, not time
     )
     host.register([MODEL], host.store)
     return host
@@ -328,17 +333,191 @@ def test_a_host_that_stops_gives_its_samples_back_and_they_run_on_after_a_restar
     from scheduler.worker.host import WorkerHost
 
     sampler = rows.sampler(rows.tenant())
-    alone = _sample(rows, sampler, LONG, seed=14)
+    alone = [_sample(rows, sampler, LONG, seed=14), _sample(rows, sampler, SHORT, seed=15)]
     host.drain()
-    again = _twin(rows, sampler, alone)
+    again = [_twin(rows, sampler, op) for op in alone]
     host.step()
     host.close()
     assert engine.sampling == 0
-    assert rows.op(again).status == "queued"
+    # A stop on purpose is no interrupted attempt: nothing makes them run alone afterwards.
+    assert [(rows.op(op).status, rows.op(op).attempts) for op in again] == [("queued", 0)] * 2
     assert host.drain() == 0  # a closed host steps no more
     restarted = WorkerHost(
         rows.database, rows.clock, engine, LocalArtifactStore(tmp_path / "again"), notifier
     )
     restarted.register([MODEL], restarted.store)
+    assert restarted.step() == 2  # claimed together again
     restarted.drain()
+    for op, before in zip(again, alone, strict=True):
+        assert _tokens(rows, op) == _tokens(rows, before)
+        assert rows.op(op).attempts == 1
+
+
+def test_a_stop_during_drain_under_steady_traffic_gives_back_the_samples_and_returns(
+    rows: Rows, host: WorkerHost, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sampler = rows.sampler(rows.tenant())
+    step = host.step
+    steps = itertools.count(1)
+
+    def busy_step() -> int:
+        # A new sample arrives at every step, so only the stop can end this drain.
+        n = next(steps)
+        if n > 50:
+            raise AssertionError("drain() went on after the stop")
+        if n == 4:
+            host.stop()  # as the worker's shutdown signal does, while drain() steps
+        _sample(rows, sampler, LONG, seed=16)
+        return step()
+
+    monkeypatch.setattr(host, "step", busy_step)
+    host.drain()
+    assert next(steps) == 5  # it returned after the step in progress
+    assert engine.sampling == 0
+    assert [(op.status, op.attempts) for op in rows.ops(sampler)] == [("queued", 0)] * 4
+
+
+POISON_SEED = 99
+
+
+def test_a_failing_decode_loop_requeues_its_samples_and_gives_up_on_the_poison_one_alone(
+    rows: Rows, host: WorkerHost, notifier: RecordingNotifier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpu_worker.sampling import Sampler
+
+    sampler = rows.sampler(rows.tenant())
+    alone = [_sample(rows, sampler, SHORT * 2, seed=seed) for seed in (21, 22)]
+    host.drain()
+    healthy = [_twin(rows, sampler, op) for op in alone]
+    poison = _sample(rows, sampler, SHORT, seed=POISON_SEED)
+    step = Sampler.step
+
+    def fragile(self: Sampler) -> Any:  # any loop holding the poison request fails
+        jobs = self._pending + [row.job for row in self._rows]
+        if any(job.params.seed == POISON_SEED for job in jobs):
+            raise RuntimeError("the poison request broke the loop")
+        return step(self)
+
+    monkeypatch.setattr(Sampler, "step", fragile)
+    assert host.step() == 3  # all three start together; the loop fails at once
+    assert [rows.op(op).status for op in (*healthy, poison)] == ["queued"] * 3
+    host.drain()
+    for op, before in zip(healthy, alone, strict=True):
+        assert _tokens(rows, op) == _tokens(rows, before)
+        assert rows.op(op).attempts == 2  # the failed loop, then alone
+    failed = rows.op(poison)
+    assert (failed.status, failed.attempts) == ("failed", host.max_attempts)
+    assert "interrupted" in (failed.error_message or "")
+    assert host.engine.sampling == 0
+
+
+def test_a_failing_claim_leaves_the_samples_in_flight_decoding(
+    rows: Rows,
+    host: WorkerHost,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    sampler = rows.sampler(rows.tenant())
+    decoding = _sample(rows, sampler, SHORT * 4, seed=23)
+    host.step()
+    waiting = _sample(rows, sampler, SHORT, seed=24)
+    claim = host._claim
+
+    def locked() -> Any:
+        raise OperationalError("BEGIN IMMEDIATE", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(host, "_claim", locked)
+    chosen = len(host.engine.sample_progress(decoding)[0])
+    with caplog.at_level("WARNING", logger="scheduler.worker.host"):
+        assert host.step() == 1
+        assert host.step() == 1
+    assert len(host.engine.sample_progress(decoding)[0]) == chosen + 2
+    assert "database is locked" in caplog.text
+    monkeypatch.setattr(host, "_claim", claim)
+    host.drain()
+    assert [rows.op(op).status for op in (decoding, waiting)] == ["done", "done"]
+
+
+def test_while_samples_decode_claims_wait_their_interval_and_an_idle_host_claims_every_step(
+    rows: Rows, host: WorkerHost
+) -> None:
+    sampler = rows.sampler(rows.tenant())
+    host.claim_while_decoding = 3600.0
+    decoding = _sample(rows, sampler, SHORT * 2, seed=25)
+    assert host.step() == 1
+    waiting = _sample(rows, sampler, SHORT, seed=26)
+    for _ in range(3):
+        host.step()
+        assert rows.op(waiting).status == "queued"
+    _step_until(host, lambda: rows.op(decoding).status == "done")
+    host.step()  # nothing in flight: this one claims
+    assert rows.op(waiting).status == "running"
+    host.drain()
+    assert rows.op(waiting).status == "done"
+
+
+def test_a_sample_claimed_again_while_it_runs_here_finishes_once(
+    rows: Rows, host: WorkerHost
+) -> None:
+    from scheduler import oplog
+
+    sampler = rows.sampler(rows.tenant())
+    alone = _sample(rows, sampler, SHORT * 4, seed=27)
+    host.drain()
+    again = _twin(rows, sampler, alone)
+    host.step()
+    with rows.database.transaction() as db:  # its claim was taken back meanwhile
+        oplog.requeue(
+            db,
+            [again],
+            worker_id=host.worker_id,
+            max_attempts=3,
+            now=rows.clock.now(),
+            counted=False,
+        )
+    host.step()
+    assert rows.op(again).status == "running" and host.samples.in_flight == 1
+    _step_until(host, lambda: host.samples.in_flight == 0)
     assert _tokens(rows, again) == _tokens(rows, alone)
+    assert host.engine.sampling == 0
+
+
+def test_drain_frees_a_run_whose_session_ended_while_samples_decode(
+    rows: Rows, host: WorkerHost, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from core import sessions
+    from scheduler.worker import host as host_module
+
+    tenant = rows.tenant()
+    session = rows.session(tenant)
+    ended = rows.run(tenant, session_id=session)
+    sampler = rows.sampler(tenant)
+    host.drain()
+    assert ended in engine.run_ids()
+    sample = _sample(rows, sampler, SHORT * 4, seed=28)
+    host.step()
+    with rows.database.transaction() as db:
+        sessions.finish(
+            db,
+            rows.clock,
+            tenant_id=tenant,
+            session_id=session,
+            reason="closed",
+            detail=None,
+            ttl_seconds=3600,
+        )
+    monkeypatch.setattr(host_module, "EVICT_EVERY_SECONDS", 0.0)  # between every two steps
+    in_flight_when_freed: dict[str, int] = {}
+    remove_run = engine.remove_run
+
+    def watched(run_id: str) -> None:
+        in_flight_when_freed[run_id] = host.samples.in_flight
+        remove_run(run_id)
+
+    monkeypatch.setattr(engine, "remove_run", watched)
+    host.drain()
+    assert rows.op(sample).status == "done"
+    assert ended not in engine.run_ids()
+    assert in_flight_when_freed[ended] == 1  # freed while the sample decoded, not after
