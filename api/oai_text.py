@@ -142,17 +142,27 @@ class StreamedChoice:
         # End-of-turn text written as plain tokens is held back too: it costs a short delay.
         self._held = [*stops, *tok.end_texts]
         self._text = _Detokenizer(tok)
-        self._received = 0
+        self._tokens: list[int] = []  # received in order so far
+        self._diverged = False
         self._ended = False
         self.sent = ""
 
     def add(self, offset: int, tokens: list[int]) -> str:
-        """The text to send now that `tokens` arrived at `offset` of the choice's tokens; ""
-        when they are out of order (a lost or late message: the result fills in)."""
-        if offset != self._received:
+        """The text to send now that `tokens` arrived at `offset` of the choice's tokens.
+
+        Tokens already received are skipped when they agree (a repeat, or a re-run after a
+        worker failure publishing from the start again). Nothing more is sent after a gap (a
+        lost message) or after tokens that disagree with those received (a re-run choosing
+        differently): the recorded result then fills in, or ends the stream."""
+        if self._diverged or offset > len(self._tokens):
             return ""
-        self._received += len(tokens)
-        if self._ended:
+        overlap = self._tokens[offset : offset + len(tokens)]
+        if tokens[: len(overlap)] != overlap:
+            self._diverged = True
+            return ""
+        tokens = tokens[len(overlap) :]
+        self._tokens += tokens
+        if self._ended or not tokens:
             return ""
         for i, token in enumerate(tokens):
             if token in self._end_ids:

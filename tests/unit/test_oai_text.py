@@ -116,6 +116,26 @@ def test_out_of_order_progress_is_skipped_and_the_result_fills_in() -> None:
     assert first + (rest or "") == "one two three four"
 
 
+def test_a_rerun_publishing_from_the_start_again_streams_on_while_it_agrees() -> None:
+    tokens = TOK.encode("one two three four", special_tokens=False)  # one| t|wo| t|h|re|e|...
+    choice = StreamedChoice(TOK, [])
+    assert choice.add(0, tokens[:2]) == "one t"
+    assert choice.add(0, tokens[:3]) == "wo"  # the same two again, and one more
+    assert choice.add(0, tokens[:3]) == ""
+    assert choice.add(3, tokens[3:]) == " three four"
+    assert choice.rest(finish(TOK, _sequence(tokens), [])) == ""
+
+
+def test_tokens_that_disagree_with_those_received_stop_the_stream() -> None:
+    tokens = TOK.encode("one two three four", special_tokens=False)
+    other = TOK.encode("one zebra", special_tokens=False)  # one| ze|b|ra
+    choice = StreamedChoice(TOK, [])
+    assert choice.add(0, tokens[:2]) == "one t"
+    assert choice.add(0, other) == ""
+    assert choice.add(len(other), tokens[len(other) :]) == ""  # nothing more after that
+    assert choice.rest(finish(TOK, _sequence(other), [])) is None
+
+
 def test_a_result_that_does_not_continue_the_sent_text_is_refused() -> None:
     choice = StreamedChoice(TOK, [])
     choice.add(0, TOK.encode("hello there", special_tokens=False))
