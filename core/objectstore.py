@@ -94,11 +94,7 @@ class LocalArtifactStore:
         return path
 
     def local_dir(self, key: str) -> Path:
-        path = self._path(key)
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        return path
+        return _fresh_dir(self._path(key))
 
     def uri(self, key: str) -> str:
         return f"file://{self._path(key)}"
@@ -184,11 +180,7 @@ class S3ArtifactStore:
     # --- the protocol ------------------------------------------------------------------------
 
     def local_dir(self, key: str) -> Path:
-        path = self._staging(key)
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        return path
+        return _fresh_dir(self._staging(key))
 
     def uri(self, key: str) -> str:
         return f"s3://{self._object_path(key)}"
@@ -312,6 +304,14 @@ def open_store(settings: Settings) -> ArtifactStore:
             "path or file:///path"
         )
     return LocalArtifactStore(url)
+
+
+def _fresh_dir(path: Path) -> Path:
+    """`path` as an empty folder: whatever an earlier attempt left there is deleted."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
 
 
 def _size_and_digest(root: Path) -> tuple[int, str]:
