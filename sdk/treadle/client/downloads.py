@@ -51,14 +51,12 @@ async def download_files(
             continue
         await _fetch(plain, file.url, file.path, target, file.size_bytes, on_progress)
         got = _sha256(_part(target))
-        if got != file.sha256:
-            _part(target).unlink()
-            raise RequestFailedError(
-                f"{file.path} arrived with sha256 {got}, not the version's {file.sha256}; run "
-                "the download again (the partial file was removed)",
-                category="server",
-            )
-        _part(target).replace(target)
+        _settle(
+            target,
+            None
+            if got == file.sha256
+            else f"{file.path} arrived with sha256 {got}, not the version's {file.sha256}",
+        )
     return root
 
 
@@ -80,14 +78,7 @@ async def download_archive(
         )
     await _fetch(plain, urls.archive_url, name, target, urls.archive_size_bytes, on_progress)
     problem = _archive_problem(_part(target), urls.files)
-    if problem is not None:
-        _part(target).unlink()
-        raise RequestFailedError(
-            f"the archive {name} arrived damaged ({problem}); run the download again (the "
-            "partial file was removed)",
-            category="server",
-        )
-    _part(target).replace(target)
+    _settle(target, None if problem is None else f"the archive {name} arrived damaged ({problem})")
     return target
 
 
@@ -128,6 +119,17 @@ async def _fetch(
         raise APIConnectionError(
             f"downloading {label} failed: {exc!r}; run the download again to continue it"
         ) from exc
+
+
+def _settle(target: Path, problem: str | None) -> None:
+    """Move `<target>.part` into place, or, when `problem` says what is wrong with it, remove it
+    and refuse."""
+    if problem is not None:
+        _part(target).unlink()
+        raise RequestFailedError(
+            f"{problem}; run the download again (the partial file was removed)", category="server"
+        )
+    _part(target).replace(target)
 
 
 def _part(target: Path) -> Path:
