@@ -17,6 +17,7 @@ from api.jsonbody import JsonBodyGuard
 from api.limits import BodySizeLimit
 from api.openapi import install_openapi
 from api.ratelimit import TokenBuckets
+from api.readiness import Readiness
 from api.routes import (
     artifacts,
     audit,
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         notifier=notifier,
         dispatcher=dispatcher,
         store=store,
+        readiness=Readiness(settings, database),
     )
 
     @contextlib.asynccontextmanager
@@ -86,7 +88,10 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         state.dispatcher.start()
         if isinstance(notifier, RedisNotifier):
             notifier.start_listening()
-        periodic = [asyncio.create_task(_sweep_expired_sessions(state))]
+        periodic = [
+            asyncio.create_task(_sweep_expired_sessions(state)),
+            asyncio.create_task(state.readiness.run_periodically()),
+        ]
         if settings.mode is Mode.EMBEDDED:  # distributed mode: `treadle-server beat` runs them
             periodic.append(asyncio.create_task(_run_billing_jobs(state)))
             periodic.append(asyncio.create_task(_prune_op_log(state)))
@@ -102,6 +107,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
             await asyncio.to_thread(state.dispatcher.stop)
             if isinstance(notifier, RedisNotifier):
                 notifier.stop()
+            state.readiness.close()
             database.dispose()
 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)

@@ -11,6 +11,7 @@ from fastapi.security import APIKeyHeader
 from sqlalchemy.orm import Session as OrmSession
 
 from api.ratelimit import TokenBuckets
+from api.readiness import Readiness
 from core import apikeys
 from core.apikeys import Principal
 from core.clock import Clock
@@ -34,6 +35,7 @@ class AppState:
     notifier: Notifier
     dispatcher: Dispatcher
     store: ArtifactStore
+    readiness: Readiness
 
 
 def get_state(request: Request) -> AppState:

@@ -55,6 +55,9 @@ class Settings(BaseSettings):
 
     session_ttl_seconds: float = 300.0
     expiry_sweep_seconds: float = 15.0
+    # How often the API checks its database and Redis for `/readyz`, which answers from the
+    # last check: load balancers may probe it as often as they like.
+    readiness_check_seconds: float = Field(default=1.0, gt=0)
     long_poll_seconds: float = 25.0
     max_request_bytes: int = 64 * 1024 * 1024
     # Datums per forward_backward request the tinker SDK sends (it splits larger batches);

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from api.deps import CurrentPrincipal, State
 from api.jsonbody import MAX_JSON_DEPTH, nesting_exceeds
@@ -16,6 +16,7 @@ from treadle.types import (
     ClientConfigResponse,
     ClientDynamicConfigResponse,
     HealthResponse,
+    ReadinessResponse,
     ServerCapabilities,
     SupportedModel,
     TelemetryResponse,
@@ -122,3 +123,23 @@ def get_server_capabilities(_: CurrentPrincipal, state: State) -> ServerCapabili
 @router.get("/healthz", response_model=HealthResponse)
 def healthz() -> HealthResponse:
     return HealthResponse()
+
+
+@router.get(
+    "/readyz",
+    response_model=ReadinessResponse,
+    responses={
+        503: {
+            "model": ReadinessResponse,
+            "description": "Not ready: a check failed (`checks` says which and why), or none "
+            "has finished recently.",
+        }
+    },
+)
+def readyz(response: Response, state: State) -> ReadinessResponse:
+    """Readiness for load balancers, from the last background check (`api.readiness`): cheap
+    enough to probe every second. Liveness stays with `/healthz`."""
+    report = state.readiness.report()
+    if not report.ready:
+        response.status_code = 503
+    return ReadinessResponse(status="ready" if report.ready else "not ready", checks=report.checks)

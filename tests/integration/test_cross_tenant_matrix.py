@@ -191,6 +191,7 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", f"{API}/telemetry"): Route(no_reference="accepted and dropped unread"),
     ("GET", f"{API}/get_server_capabilities"): Route(no_reference="the served base models"),
     ("GET", f"{API}/healthz"): Route(no_reference="liveness", keyless="load balancers probe it"),
+    ("GET", f"{API}/readyz"): Route(no_reference="readiness", keyless="load balancers probe it"),
     ("POST", f"{API}/create_session"): Route(
         no_reference="creates the caller's own session",
         not_references={"project_id": "a label the client chooses; nothing is looked up by it"},

@@ -114,6 +114,16 @@ class HealthResponse(WireResponse):
     status: Literal["ok"] = "ok"
 
 
+class ReadinessResponse(WireResponse):
+    """`/readyz`: whether the server can do its work, from its last background check."""
+
+    status: Literal["ready", "not ready"]
+    checks: dict[str, str] = Field(
+        description="Each check (`database`, `migrations`, `redis` in distributed mode) and "
+        "`ok`, or why it failed."
+    )
+
+
 class AuthTokenResponse(WireResponse):
     """`/auth/token`: a JWT with `exp` and `iat` claims, sent back as `X-API-Key`."""
 

@@ -1,0 +1,142 @@
+"""`/readyz` against real databases and Redis: ready when every check passes; not ready, naming
+the failed check, when the database is unreachable or behind the migrations, or Redis (in
+distributed mode) is unreachable; ready again once they are back. `/healthz` stays 200."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic.script import ScriptDirectory
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from api import dbschema
+from api.readiness import Readiness
+from core.db import Database
+from tests.builders import make_settings
+from tests.server import AppFactory
+from tests.tcp_proxy import TcpProxy
+
+pytestmark = pytest.mark.integration
+
+FAST = {"readiness_check_seconds": 0.2}
+
+
+def _proxied(url: str, proxy_for: list[TcpProxy]) -> str:
+    """`url` through a new proxy (appended to `proxy_for`) in front of its host and port."""
+    parsed = make_url(url)
+    proxy = TcpProxy(parsed.host or "127.0.0.1", parsed.port or 0)
+    proxy_for.append(proxy)
+    return parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def proxies() -> Iterator[list[TcpProxy]]:
+    started: list[TcpProxy] = []
+    yield started
+    for proxy in started:
+        proxy.close()
+
+
+def _wait_for(client: TestClient, status: int, seconds: float = 5.0) -> dict[str, Any]:
+    """Poll `/readyz` until it answers `status` (the checks run in the background)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        answer = client.get("/api/v1/readyz")
+        if answer.status_code == status or time.monotonic() > deadline:
+            assert answer.status_code == status, answer.json()
+            body: dict[str, Any] = answer.json()
+            return body
+        time.sleep(0.05)
+
+
+def test_sqlite_app_is_ready_until_its_database_is_behind_the_migrations(
+    app_factory: AppFactory,
+) -> None:
+    app = app_factory(**FAST)
+    with TestClient(app) as client:
+        assert _wait_for(client, 200) == {
+            "status": "ready",
+            "checks": {"database": "ok", "migrations": "ok"},
+        }
+        _stamp_previous_revision(app.state.treadle.database)
+        body = _wait_for(client, 503)
+        assert body["status"] == "not ready"
+        assert body["checks"]["database"] == "ok"
+        assert "treadle-server migrate" in body["checks"]["migrations"]
+        assert client.get("/api/v1/healthz").status_code == 200
+
+
+def _stamp_previous_revision(database: Database) -> None:
+    """Mark the database one revision behind head, as an older release left it (downgrading
+    for real would race the running engine's writes for SQLite's lock)."""
+    head = dbschema.head_revision(database)
+    scripts = ScriptDirectory.from_config(dbschema.alembic_config(database.url))
+    previous = scripts.get_revision(head).down_revision
+    assert isinstance(previous, str)
+    with database.transaction() as db:
+        db.execute(text("UPDATE alembic_version SET version_num = :rev"), {"rev": previous})
+
+
+def test_unreachable_postgres_makes_the_app_not_ready_until_it_is_back(
+    app_factory: AppFactory, postgres_url: str, proxies: list[TcpProxy]
+) -> None:
+    url = _proxied(postgres_url, proxies)
+    app = app_factory(url, **FAST)
+    with TestClient(app) as client:
+        assert _wait_for(client, 200)["checks"] == {"database": "ok", "migrations": "ok"}
+        proxies[0].stop()
+        body = _wait_for(client, 503)
+        assert body["status"] == "not ready"
+        assert body["checks"]["database"].startswith("unreachable")
+        assert str(proxies[0].port) not in str(body)  # no addresses for anonymous callers
+        assert client.get("/api/v1/healthz").status_code == 200
+        proxies[0].start()
+        assert _wait_for(client, 200)["status"] == "ready"
+
+
+def test_distributed_app_is_not_ready_without_redis(
+    app_factory: AppFactory, postgres_url: str, redis_url: str, proxies: list[TcpProxy]
+) -> None:
+    app = app_factory(postgres_url, redis_url=_proxied(redis_url, proxies), **FAST)
+    with TestClient(app) as client:
+        assert _wait_for(client, 200) == {
+            "status": "ready",
+            "checks": {"database": "ok", "migrations": "ok", "redis": "ok"},
+        }
+        proxies[0].stop()
+        body = _wait_for(client, 503)
+        assert body["checks"]["redis"].startswith("unreachable")
+        assert body["checks"]["database"] == "ok"
+        assert client.get("/api/v1/healthz").status_code == 200
+        proxies[0].start()
+        assert _wait_for(client, 200)["status"] == "ready"
+
+
+def test_not_ready_before_the_first_check_and_once_checks_stop(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'treadle.db'}"
+    database = Database(url)
+    dbschema.upgrade(database)
+    now = [100.0]
+    readiness = Readiness(
+        make_settings(tmp_path, url, readiness_check_seconds=1.0),
+        database,
+        monotonic=lambda: now[0],
+    )
+    first = readiness.report()
+    assert not first.ready
+    assert first.checks == {"database": "not checked yet", "migrations": "not checked yet"}
+    asyncio.run(readiness.run_round())
+    assert readiness.report().ready
+    now[0] += 4.9  # within 3 intervals + 2 s
+    assert readiness.report().ready
+    now[0] += 0.2
+    stale = readiness.report()
+    assert not stale.ready
+    assert stale.checks["database"] == "last checked 5 s ago"
