@@ -115,6 +115,14 @@ class DecodeLoops:
         for model, jobs in by_model.items():
             self._samplers[model].drop(jobs)
 
+    def adapters(self) -> list[LoraAdapter]:
+        """The distinct adapters the unfinished jobs sample (frozen copies among them)."""
+        seen: dict[int, LoraAdapter] = {}
+        for _, job in self._jobs.values():
+            if job.adapter is not None:
+                seen.setdefault(id(job.adapter), job.adapter)
+        return list(seen.values())
+
     def freeze(self, adapter: LoraAdapter) -> None:
         """Point the unfinished jobs sampling `adapter` at one frozen copy of it, before the
         caller changes or drops it."""

@@ -381,6 +381,13 @@ class Engine:
         with self._lock:
             return len(self._loops)
 
+    def frozen_memory_bytes(self) -> int:
+        """Bytes of the adapter copies that samples still running keep after their run changed
+        or dropped its weights (they go when those samples finish)."""
+        with self._lock:
+            live = {id(run.adapter) for run in self._runs.values()}
+            return sum(a.num_bytes() for a in self._loops.adapters() if id(a) not in live)
+
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult | OpError]:
         """Sample all requests to completion in the running decode loops; other callers' jobs
         that finish meanwhile come out of the next `sample_step`."""

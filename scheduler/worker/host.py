@@ -214,7 +214,7 @@ class WorkerHost:
         """Extend this worker's lease and report what it holds; False when it was declared
         dead meanwhile (then it must stop)."""
         held = self.engine.run_ids()
-        held_bytes = 0
+        held_bytes = self.engine.frozen_memory_bytes()
         for run_id in held:
             try:
                 held_bytes += self.engine.run_memory_bytes(run_id)

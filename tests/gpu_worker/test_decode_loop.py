@@ -100,10 +100,13 @@ def test_a_running_job_keeps_the_weights_it_started_with(loops, run):
     loops.sample_start("live", req)
     for _ in range(3):
         loops.sample_step()
+    assert loops.frozen_memory_bytes() == 0  # sampling the run's own weights: nothing extra
     train_step(loops, run)
+    assert loops.frozen_memory_bytes() == loops.adapter(run).num_bytes()
     loops.sample_start("after", req)
     out = finish(loops, {"live", "after"})
     assert_same_samples(succeeded(out["live"]), before)
+    assert loops.frozen_memory_bytes() == 0  # the copy went with the sample that kept it
     after = succeeded(out["after"])
     assert_same_samples(after, sample(loops, req))  # the new weights, as a fresh sample sees them
     assert after.prompt_logprobs is not None and before.prompt_logprobs is not None
