@@ -331,7 +331,7 @@ def test_compose_healthchecks() -> None:
         if str(service.get("image", "")).startswith(("postgres", "redis")):
             assert "healthcheck" in service, name
     for name, service in by_subcommand("api").items():
-        assert "/api/v1/healthz" in " ".join(service["healthcheck"]["test"]), name
+        assert "/api/v1/readyz" in " ".join(service["healthcheck"]["test"]), name
 
 
 def test_compose_workers_own_one_distinct_gpu_each() -> None:
@@ -571,7 +571,8 @@ def test_chart_migrates_before_install_and_upgrade() -> None:
 def test_chart_api_probes_health_and_shares_artifacts() -> None:
     api = component("Deployment", "api")
     (container,) = containers(api)
-    assert container["readinessProbe"]["httpGet"]["path"] == "/api/v1/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/api/v1/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/api/v1/healthz"
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert chart_values()["artifacts"]["mountPath"] in mounts
     (worker,) = containers(component("StatefulSet", "worker"))
