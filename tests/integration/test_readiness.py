@@ -5,6 +5,7 @@ distributed mode) is unreachable; ready again once they are back. `/healthz` sta
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from api import dbschema
+from api import readiness as readiness_module
 from api.readiness import Readiness
 from core.db import Database
 from tests.builders import make_settings
@@ -140,3 +142,39 @@ def test_not_ready_before_the_first_check_and_once_checks_stop(tmp_path: Path) -
     stale = readiness.report()
     assert not stale.ready
     assert stale.checks["database"] == "last checked 5 s ago"
+
+
+def test_a_hung_check_fails_its_rounds_and_none_starts_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'treadle.db'}"
+    database = Database(url)
+    dbschema.upgrade(database)
+    readiness = Readiness(make_settings(tmp_path, url), database)
+    monkeypatch.setattr(readiness_module, "ROUND_TIMEOUT_SECONDS", 0.1)
+    release, started = threading.Event(), []
+
+    def hung() -> dict[str, str]:
+        started.append(1)
+        release.wait(30)
+        return {"database": "ok", "migrations": "ok"}
+
+    monkeypatch.setattr(readiness, "check", hung)
+
+    async def rounds() -> None:
+        await readiness.run_round()
+        timed_out = readiness.report()
+        assert not timed_out.ready
+        assert timed_out.checks["database"] == "no answer within 0.1 s"
+        await readiness.run_round()
+        assert readiness.report().checks["database"] == "the previous check has not finished"
+        assert len(started) == 1
+        release.set()
+        deadline = time.monotonic() + 5
+        while not readiness.report().ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            await readiness.run_round()
+        assert readiness.report().ready
+        assert len(started) == 2
+
+    asyncio.run(rounds())
