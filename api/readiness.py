@@ -75,6 +75,8 @@ class Readiness:
         )
         self._last: tuple[float, Checks] | None = None  # (monotonic end time, checks)
         self._in_flight: asyncio.Future[Checks] | None = None
+        # The last failed checks' full errors, for the log only: they may name hosts.
+        self._errors: dict[str, str] = {}
 
     @property
     def names(self) -> list[str]:
@@ -108,7 +110,7 @@ class Readiness:
                 checks = dict.fromkeys(self.names, f"no answer within {ROUND_TIMEOUT_SECONDS:g} s")
         previous = self._last[1] if self._last else None
         if checks != previous and any(result != OK for result in checks.values()):
-            logger.warning("not ready: %s", checks)
+            logger.warning("not ready: %s (%s)", checks, self._errors)
         elif previous is not None and checks != previous:
             logger.info("ready again")
         self._last = (self._monotonic(), checks)
@@ -116,6 +118,7 @@ class Readiness:
     def check(self) -> Checks:
         """One round, blocking: each check's result, never raising."""
         checks: Checks = {}
+        errors: dict[str, str] = {}
         try:
             with self._engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
@@ -128,18 +131,22 @@ class Readiness:
                 f"{self._head}; run `treadle-server migrate`"
             )
         except Exception as exc:
-            logger.debug("database check failed", exc_info=True)
-            # Pooled connections may be broken; the next round connects afresh.
-            self._engine.dispose()
-            checks.setdefault("database", f"unreachable ({type(exc).__name__})")
-            checks.setdefault("migrations", "unknown: the database check failed")
+            errors["database"] = str(exc)
+            if self._engine is not self._database.engine:
+                self._engine.dispose()  # its connection may be broken: the next round connects
+            if "database" in checks:
+                checks["migrations"] = f"unreadable ({type(exc).__name__})"
+            else:
+                checks["database"] = f"unreachable ({type(exc).__name__})"
+                checks["migrations"] = "unknown: the database is unreachable"
         if self._redis is not None:
             try:
                 self._redis.ping()
                 checks["redis"] = OK
             except Exception as exc:
-                logger.debug("redis check failed", exc_info=True)
+                errors["redis"] = str(exc)
                 checks["redis"] = f"unreachable ({type(exc).__name__})"
+        self._errors = errors
         return checks
 
     def close(self) -> None:
