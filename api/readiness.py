@@ -102,12 +102,15 @@ class Readiness:
             checks = dict.fromkeys(self.names, "the previous check has not finished")
         else:
             self._in_flight = _in_thread(self.check)
-            try:
-                checks = await asyncio.wait_for(
-                    asyncio.shield(self._in_flight), ROUND_TIMEOUT_SECONDS
-                )
-            except TimeoutError:
-                checks = dict.fromkeys(self.names, f"no answer within {ROUND_TIMEOUT_SECONDS:g} s")
+            # `asyncio.wait`, not `wait_for`: it leaves a hung round running, and a cancellation
+            # (the app stopping) always propagates, which Python 3.11's `wait_for` may swallow
+            # when the round ends at the same moment (then this loop would never stop).
+            done, _ = await asyncio.wait({self._in_flight}, timeout=ROUND_TIMEOUT_SECONDS)
+            checks = (
+                self._in_flight.result()
+                if done
+                else dict.fromkeys(self.names, f"no answer within {ROUND_TIMEOUT_SECONDS:g} s")
+            )
         previous = self._last[1] if self._last else None
         if checks != previous and any(result != OK for result in checks.values()):
             logger.warning("not ready: %s (%s)", checks, self._errors)

@@ -178,3 +178,33 @@ def test_a_hung_check_fails_its_rounds_and_none_starts_beside_it(
         assert len(started) == 2
 
     asyncio.run(rounds())
+
+
+def test_stopping_the_loop_stops_it_even_as_a_round_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app's shutdown cancels the loop; a round ending at that very moment must not swallow
+    the cancellation (the shutdown would wait for the loop forever)."""
+    url = f"sqlite:///{tmp_path / 'treadle.db'}"
+    database = Database(url)
+    dbschema.upgrade(database)
+    readiness = Readiness(make_settings(tmp_path, url), database)
+    rounds: list[asyncio.Future[dict[str, str]]] = []
+
+    def in_thread(_: object) -> asyncio.Future[dict[str, str]]:
+        rounds.append(asyncio.get_running_loop().create_future())
+        return rounds[-1]
+
+    monkeypatch.setattr(readiness_module, "_in_thread", in_thread)
+
+    async def stop_as_the_round_ends() -> None:
+        loop = asyncio.create_task(readiness.run_periodically())
+        while not rounds:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the loop now waits for its round
+        rounds[0].set_result({"database": "ok", "migrations": "ok"})
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(loop, 5)
+
+    asyncio.run(stop_as_the_round_ends())
