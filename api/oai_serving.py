@@ -28,15 +28,14 @@ from starlette.concurrency import run_in_threadpool
 from api.chat_templates import ServedTokenizer, load
 from api.deps import API_KEY_HEADER, AppState, State, authenticate
 from api.oai_params import Sampling
-from api.submission import in_submission, open_live_sampler, queue_sample, require_session
+from api.submission import in_submission, open_live_sampler, queue_sample, read_op, require_session
 from billing import estimate
 from core import checkpoints, references, runs, sessions
 from core.apikeys import Principal
 from core.errors import AuthenticationFailed, ErrorCode, InvalidInput, NotFound
 from core.ids import new_request_id
-from core.settings import Mode
 from core.tables import ModelPackage, ModelVersion, SamplingSession
-from scheduler.futures import FutureState, read_future
+from scheduler.futures import FutureState
 from scheduler.notify import Progress, ProgressWatch
 from scheduler.ops import PROTO
 from scheduler.served import tokenizer_key
@@ -281,19 +280,12 @@ def submit_sample(
     return submitted.request_id
 
 
-def _read(state: AppState, tenant_id: str, request_id: str) -> FutureState:
-    with state.database.reader() as db:
-        return read_future(
-            db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED
-        )
-
-
 async def wait_for(state: AppState, principal: Principal, request_id: str) -> Sampled:
     """The op's result and its ledger usage, once it finished; its failure as an error."""
     event = state.notifier.subscribe(request_id)
     try:
         while True:
-            future = await run_in_threadpool(_read, state, principal.tenant_id, request_id)
+            future = await run_in_threadpool(read_op, state, principal.tenant_id, request_id)
             if future.done:
                 break
             with contextlib.suppress(TimeoutError):
@@ -335,7 +327,7 @@ async def follow(
     try:
         while True:
             finished.clear()
-            future = await run_in_threadpool(_read, state, principal.tenant_id, watch.op_id)
+            future = await run_in_threadpool(read_op, state, principal.tenant_id, watch.op_id)
             if future.done:
                 break
             recheck_at = loop.time() + _RECHECK_SECONDS

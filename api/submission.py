@@ -15,9 +15,11 @@ from core import checkpoints, runs, sessions
 from core.apikeys import Principal
 from core.errors import ErrorCode, InvalidInput, RateLimited, SessionExpired, TreadleError
 from core.ids import training_run_id
+from core.settings import Mode
 from core.tables import ModelVersion, RunStatus, SamplingSession, Tenant, TrainingRun
 from scheduler import oplog
 from scheduler.admission import admit_training_run
+from scheduler.futures import FutureState, read_future
 from scheduler.ops import STREAMED, OpKind, encode_json_payload, refused
 from scheduler.submit import Submitted, submit, submit_training_op
 from treadle.types import SampleRequest, UntypedAPIFuture
@@ -71,6 +73,14 @@ def open_live_sampler(
         training_run_id=run.id,
         model_version_id=None,
     )
+
+
+def read_op(state: AppState, tenant_id: str, request_id: str) -> FutureState:
+    """Where the tenant's op `request_id` stands, read as a long-poll re-reads it."""
+    with state.database.reader() as db:
+        return read_future(
+            db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED
+        )
 
 
 def queue_sample(

@@ -13,8 +13,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentPrincipal, State
 from api.openapi import error_responses
-from core.settings import Mode
-from scheduler.futures import FutureState, read_future
+from api.submission import read_op
+from scheduler.futures import FutureState
 from scheduler.ops import PROTO
 from treadle.types import (
     CancelFutureRequest,
@@ -101,7 +101,7 @@ async def retrieve_future(
     event = state.notifier.subscribe(body.request_id)
     try:
         while True:
-            future = await run_in_threadpool(_read, state, principal.tenant_id, body.request_id)
+            future = await run_in_threadpool(read_op, state, principal.tenant_id, body.request_id)
             if future.done:
                 return _respond(future, request)
             remaining = deadline - time.monotonic()
@@ -116,13 +116,6 @@ async def retrieve_future(
             event.clear()
     finally:
         state.notifier.unsubscribe(body.request_id, event)
-
-
-def _read(state: State, tenant_id: str, request_id: str) -> FutureState:
-    with state.database.reader() as db:
-        return read_future(
-            db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED
-        )
 
 
 @router.post("/cancel_future", responses=error_responses(401, 403, 413, 422))
