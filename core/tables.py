@@ -358,6 +358,10 @@ class WorkerStatus(enum.StrEnum):
     """`workers.status`; changed only by `scheduler.workers`."""
 
     LIVE = "live"
+    # Asked to drain: it takes no new placements, and hands its runs over as it stops.
+    DRAINING = "draining"
+    # Stopped on purpose, its runs handed over; registering again makes it live.
+    LEFT = "left"
     DEAD = "dead"
 
 
@@ -376,6 +380,8 @@ class Worker(Base):
     adapter_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     lease_expires_at: Mapped[datetime]
     registered_at: Mapped[datetime]
+    # When it last handed its runs over and left (a drain or a stop on purpose).
+    left_at: Mapped[datetime | None]
 
 
 class AuditLog(Base):

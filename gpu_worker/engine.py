@@ -207,6 +207,12 @@ class Engine:
         """The base model's tokenizer (transformers), loaded if it was not."""
         return self._tokenizer(self._model(base_model))
 
+    def gradients_pending(self, run_id: str) -> bool:
+        """Whether forward_backward accumulated gradients no optimizer step has consumed yet
+        (a saved state would lose them)."""
+        with self._lock:
+            return any(p.grad is not None for p in self._run(run_id).adapter.parameters())
+
     def run_memory_bytes(self, run_id: str) -> int:
         """Bytes held for this run: adapter weights, gradients and AdamW moments."""
         run = self._run(run_id)

@@ -301,6 +301,19 @@ def requeue(
             op.status = OpStatus.QUEUED
 
 
+def queued_targets(db: OrmSession, target_ids: set[str]) -> set[str]:
+    """Those of `target_ids` with operations queued."""
+    if not target_ids:
+        return set()
+    return set(
+        db.scalars(
+            select(Operation.target_id)
+            .where(Operation.status == OpStatus.QUEUED, Operation.target_id.in_(target_ids))
+            .distinct()
+        )
+    )
+
+
 def requeue_held_by(db: OrmSession, worker_ids: list[str]) -> None:
     """What these workers were running never finished (they restarted or died): queue it
     again, for whichever worker takes it next."""

@@ -1,8 +1,9 @@
 """Worker rows: the one place they are written, and who counts as alive.
 
 A worker is alive while its lease holds: it renews the lease every few seconds, and beat
-declares a worker whose lease lapsed dead. Each function takes the caller's session (the caller
-owns the transaction).
+declares a worker whose lease lapsed dead. A live worker asked to drain keeps its runs (it is
+still alive) but takes no new placements, until it hands them over and leaves. Each function
+takes the caller's session (the caller owns the transaction).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from core.tables import Worker, WorkerStatus
+
+# Statuses of a worker that holds what is placed on it (while its lease holds).
+HOLDING = (WorkerStatus.LIVE, WorkerStatus.DRAINING)
 
 
 def register(
@@ -32,29 +36,54 @@ def register(
     worker.device = device
     worker.models = models
     worker.status, worker.lease_expires_at = WorkerStatus.LIVE, lease_until
+    worker.left_at = None
     db.merge(worker)
 
 
 def renew(
     db: OrmSession, worker_id: str, *, lease_until: datetime, held_runs: int, adapter_bytes: int
-) -> bool:
-    """Extend a live worker's lease and record what it holds; False when it was declared dead
-    meanwhile (then it must stop)."""
+) -> WorkerStatus | None:
+    """Extend a live or draining worker's lease and record what it holds; returns its status,
+    or None when it was declared dead meanwhile (then it must stop) or left."""
     worker = db.get(Worker, worker_id)
-    if worker is None or worker.status != WorkerStatus.LIVE:
-        return False
+    if worker is None or worker.status not in HOLDING:
+        return None
     worker.lease_expires_at = lease_until
     worker.held_runs, worker.adapter_bytes = held_runs, adapter_bytes
-    return True
+    return WorkerStatus(worker.status)
+
+
+def request_drain(db: OrmSession, worker_id: str, now: datetime) -> Worker:
+    """Ask a live worker to drain: placement skips it from now on, and the worker, seeing the
+    status at its next lease renewal, stops and hands its runs over. Asking twice is harmless.
+    Raises LookupError, with the reason, for a worker that is not alive."""
+    worker = db.get(Worker, worker_id)
+    if worker is None:
+        raise LookupError(
+            f"no worker has id {worker_id!r}; `treadle-server admin workers` lists them"
+        )
+    if worker.status not in HOLDING or worker.lease_expires_at <= now:
+        raise LookupError(
+            f"worker {worker_id} is {_state(worker, now)}: only a live worker can drain"
+        )
+    worker.status = WorkerStatus.DRAINING
+    return worker
+
+
+def leave(db: OrmSession, worker_id: str, now: datetime) -> None:
+    """Mark a worker that handed its runs over as gone, on purpose (not dead)."""
+    db.execute(
+        update(Worker)
+        .where(Worker.id == worker_id)
+        .values(status=WorkerStatus.LEFT, left_at=now, lease_expires_at=now)
+    )
 
 
 def declare_dead_lapsed(db: OrmSession, now: datetime) -> list[str]:
-    """Declare dead the live workers whose lease lapsed; returns their ids."""
+    """Declare dead the live (or draining) workers whose lease lapsed; returns their ids."""
     dead = list(
         db.scalars(
-            select(Worker.id).where(
-                Worker.status == WorkerStatus.LIVE, Worker.lease_expires_at <= now
-            )
+            select(Worker.id).where(Worker.status.in_(HOLDING), Worker.lease_expires_at <= now)
         )
     )
     if dead:
@@ -63,7 +92,7 @@ def declare_dead_lapsed(db: OrmSession, now: datetime) -> list[str]:
 
 
 def live(db: OrmSession, now: datetime) -> list[Worker]:
-    """Workers holding a lease now."""
+    """Workers holding a lease now and taking placements (not draining)."""
     return list(
         db.scalars(
             select(Worker).where(Worker.status == WorkerStatus.LIVE, Worker.lease_expires_at > now)
@@ -72,7 +101,13 @@ def live(db: OrmSession, now: datetime) -> list[Worker]:
 
 
 def is_alive(db: OrmSession, worker_id: str, now: datetime) -> bool:
+    """Whether the worker holds a lease now: what is placed on it stays there (a draining
+    worker too, until it hands its runs over)."""
     worker = db.get(Worker, worker_id)
-    return (
-        worker is not None and worker.status == WorkerStatus.LIVE and worker.lease_expires_at > now
-    )
+    return worker is not None and worker.status in HOLDING and worker.lease_expires_at > now
+
+
+def _state(worker: Worker, now: datetime) -> str:
+    if worker.status in HOLDING and worker.lease_expires_at <= now:
+        return "not renewing its lease (beat will declare it dead)"
+    return worker.status

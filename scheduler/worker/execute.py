@@ -253,12 +253,13 @@ class Executor:
                 )
         # Saves changed nothing on the engine: their artifacts are already stored.
 
-    def snapshot(self, task: Task) -> tuple[str, str]:
-        """Save the run's full state (after an optimizer step); returns (key, uri)."""
-        key = f"{task.tenant_id}/{task.target_id.replace(':', '_')}/snapshots/{task.seq_id}"
+    def snapshot(self, tenant_id: str, run_id: str, seq_id: int) -> str:
+        """Save the run's full state after op `seq_id` (no gradients pending); returns its
+        uri."""
+        key = f"{tenant_id}/{run_id.replace(':', '_')}/snapshots/{seq_id}"
         folder = self.store.local_dir(key)
-        self.engine.save_state(task.target_id, folder, include_optimizer=True)
-        return key, self.store.publish(key)
+        self.engine.save_state(run_id, folder, include_optimizer=True)
+        return self.store.publish(key)
 
     def _create_model(self, task: Task) -> Outcome:
         payload = decode_json_payload(task.payload, task.payload_codec)

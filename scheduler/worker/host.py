@@ -30,13 +30,21 @@ from core.db import Database
 from core.errors import TreadleError
 from core.objectstore import ArtifactStore
 from core.settings import Settings
-from core.tables import ModelVersion, SamplingSession, Session, SessionStatus, TrainingRun
+from core.tables import (
+    ModelVersion,
+    SamplingSession,
+    Session,
+    SessionStatus,
+    TrainingRun,
+    WorkerStatus,
+)
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
 from scheduler import oplog, workers
 from scheduler.failures import OpFailure
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
+from scheduler.placement import place
 from scheduler.served import tokenizer_key
 from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor, failed_forward_backwards
@@ -210,9 +218,10 @@ class WorkerHost:
             # Whatever this worker was running when it last stopped never finished: run it again.
             oplog.requeue_held_by(db, [self.worker_id])
 
-    def renew_lease(self) -> bool:
-        """Extend this worker's lease and report what it holds; False when it was declared
-        dead meanwhile (then it must stop)."""
+    def renew_lease(self) -> WorkerStatus | None:
+        """Extend this worker's lease and report what it holds; returns its status (draining:
+        asked to stop and hand its runs over), or None when it was declared dead meanwhile
+        (then it must stop)."""
         held = self.engine.run_ids()
         held_bytes = self.engine.frozen_memory_bytes()
         for run_id in held:
@@ -261,6 +270,94 @@ class WorkerHost:
         with self._lock:
             if self._unrecorded:
                 self._release(counted=False)
+
+    def hand_over(self, settings: Settings) -> dict[str, set[str]]:
+        """Leave on purpose: after `close`, save the state of every run this worker holds
+        that has no gradients pending and ran past its latest snapshot (so whoever takes it
+        next restores it without replaying anything), then, in one transaction, unpin this
+        worker's runs and samplers, place those with queued ops on live workers, and mark this
+        worker left. Returns worker id → targets to wake it for (the caller wakes them).
+
+        A run with gradients pending (a forward_backward whose optimizer step has not come)
+        cannot be saved without them: whoever takes it replays from its latest snapshot. Runs
+        no live worker serves stay queued, unpinned, for the first worker serving their model
+        (this one, restarted under the same id, restores them from the state saved here).
+        """
+        self.close()
+        with self._lock:
+            saved = self._save_quiet_runs()
+            now = self.clock.now()
+            with self.database.transaction() as db:
+                held = set(
+                    db.scalars(
+                        select(TrainingRun.id).where(TrainingRun.worker_id == self.worker_id)
+                    )
+                ) | set(
+                    db.scalars(
+                        select(SamplingSession.id).where(
+                            SamplingSession.worker_id == self.worker_id
+                        )
+                    )
+                )
+                oplog.requeue_held_by(db, [self.worker_id])
+                runs.unpin(db, [self.worker_id])
+                workers.leave(db, self.worker_id, now)
+                wake: dict[str, set[str]] = {}
+                for target in sorted(oplog.queued_targets(db, held)):
+                    worker_id = place(db, settings, now, target)
+                    if worker_id is not None:
+                        wake.setdefault(worker_id, set()).add(target)
+        log.info(
+            "worker %s left: %d targets handed over (%d saved now), %d with queued ops placed "
+            "on %s",
+            self.worker_id,
+            len(held),
+            saved,
+            sum(len(t) for t in wake.values()),
+            sorted(wake) or "no live worker",
+        )
+        return wake
+
+    def _save_quiet_runs(self) -> int:
+        """Snapshot the training runs held here that ran past their latest snapshot with no
+        gradients pending; returns how many. The caller holds the step lock."""
+        with self.database.reader() as db:
+            rows = db.execute(
+                select(
+                    TrainingRun.id,
+                    TrainingRun.tenant_id,
+                    TrainingRun.executed_seq_id,
+                    TrainingRun.snapshot_seq_id,
+                    TrainingRun.snapshot_uri,
+                ).where(
+                    TrainingRun.id.in_(self.engine.run_ids()),
+                    TrainingRun.worker_id == self.worker_id,
+                    TrainingRun.status.in_(runs.HOLDING),
+                )
+            ).all()
+        saved = 0
+        for run_id, tenant_id, executed, snapshotted, previous in rows:
+            behind = previous is None or snapshotted is None or snapshotted < executed
+            if not behind or self.engine.gradients_pending(run_id):
+                continue
+            try:
+                uri = self.executor.snapshot(tenant_id, run_id, executed)
+                with self.database.transaction() as db:
+                    run = db.get(TrainingRun, run_id)
+                    if run is None or run.executed_seq_id != executed:
+                        continue
+                    runs.record_snapshot(run, executed, uri)
+            except Exception:
+                log.exception(
+                    "saving %s before leaving failed; whoever takes it replays from its latest "
+                    "snapshot",
+                    run_id,
+                )
+                continue
+            if previous is not None and previous != uri:
+                self.store.delete(previous)
+            saved += 1
+        return saved
 
     def _evict_when_due(self) -> None:
         """`evict_ended` if EVICT_EVERY_SECONDS have passed since it last ran; the caller holds
@@ -448,14 +545,14 @@ class WorkerHost:
 
     def _snapshot(self, task: Task, due: SnapshotDue) -> None:
         """Save the run's state after this optimizer step, so recovery replays only a little."""
+        assert task.seq_id is not None
         try:
-            _, uri = self.executor.snapshot(task)
+            uri = self.executor.snapshot(task.tenant_id, task.target_id, task.seq_id)
         except Exception:
             log.exception(
                 "snapshot of %s failed; recovery will replay from the previous one", task.target_id
             )
             return
-        assert task.seq_id is not None
         with self.database.transaction() as db:
             run = db.get(TrainingRun, task.target_id)
             if run is not None:
