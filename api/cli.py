@@ -12,6 +12,7 @@ import shlex
 import socket
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -236,6 +237,26 @@ def beat() -> None:
     except TreadleError as exc:
         raise _fail(exc.message) from exc
     run_beat(settings, SystemClock())
+
+
+@app.command()
+def probe(
+    file: Annotated[
+        Path, typer.Option(help="The liveness file: the probed process's TREADLE_LIVENESS_FILE.")
+    ],
+    max_age: Annotated[
+        float, typer.Option(min=0, help="Seconds since its last touch beyond which it is stuck.")
+    ],
+) -> None:
+    """Exit 0 when a worker's or beat's liveness file was touched at most --max-age seconds
+    ago, else 1 with the reason: the exec probe of processes that serve no HTTP. It opens no
+    database and loads no engine."""
+    from core import liveness
+
+    reason = liveness.staleness(file, max_age)
+    if reason is not None:
+        typer.echo(f"not alive: {reason}", err=True)
+        raise typer.Exit(code=1)
 
 
 @app.command()

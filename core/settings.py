@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     gap_timeout_seconds: float = 120.0
     # A worker whose lease is not renewed for this long is dead; its runs move elsewhere.
     worker_lease_seconds: float = 15.0
+    # Touched by a worker after each lease renewal and by beat after each tick, for exec
+    # probes (`treadle-server probe`, `core.liveness`); None touches nothing.
+    liveness_file: Path | None = None
     # Save each run's full state every this many optimizer steps; recovery replays the rest.
     snapshot_every_steps: int = 10
     # An op interrupted this many times (failed engine steps, worker crashes) fails for good.

@@ -10,12 +10,13 @@ collection (`artifact_gc`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from billing import jobs as billing_jobs
-from core import runs, sessions
+from core import liveness, runs, sessions
 from core.clock import Clock
 from core.db import Database
 from core.settings import Settings
@@ -75,13 +76,54 @@ def tick(database: Database, settings: Settings, clock: Clock) -> None:
     artifact_gc.run_periodic(database, settings, clock)
 
 
-def run_beat(settings: Settings, clock: Clock, *, interval_seconds: float = 2.0) -> None:
+def log_heartbeat(
+    database: Database, clock: Clock, ticks: int, failed: int, seconds: float
+) -> None:
+    """One line for the operator reading beat's log: that it runs, and what it sees."""
+    try:
+        with database.reader() as db:
+            live = len(workers.live(db, clock.now()))
+            queued = db.scalar(
+                select(func.count())
+                .select_from(Operation)
+                .where(Operation.status == OpStatus.QUEUED)
+            )
+    except Exception as exc:
+        seen = f"workers and queue unknown, the database did not answer ({type(exc).__name__})"
+    else:
+        seen = f"{live} workers live, {queued} ops queued"
+    log.info("beat alive: %d ticks in %.0f s (%d failed), %s", ticks, seconds, failed, seen)
+
+
+def run_beat(
+    settings: Settings,
+    clock: Clock,
+    *,
+    interval_seconds: float = 2.0,
+    heartbeat_seconds: float = 300.0,
+    stop: threading.Event | None = None,
+) -> None:
+    """Tick every `interval_seconds` until `stop` is set (the process: until it is killed),
+    touching the liveness file after each tick and logging a heartbeat every
+    `heartbeat_seconds`."""
     database = Database(settings.resolved_database_url)
+    stop = stop or threading.Event()
     log.info("beat running every %.1f s", interval_seconds)
+    ticks = failed = 0
+    since = time.monotonic()
     while True:
         started = time.monotonic()
+        ticks += 1
         try:
             tick(database, settings, clock)
         except Exception:
+            failed += 1
             log.exception("beat tick failed; retrying next interval")
-        time.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
+        # A failed tick is still a live loop: restarting beat would not bring the database back.
+        liveness.touch(settings.liveness_file)
+        if started - since >= heartbeat_seconds:
+            log_heartbeat(database, clock, ticks, failed, time.monotonic() - since)
+            ticks = failed = 0
+            since = time.monotonic()
+        if stop.wait(max(0.0, interval_seconds - (time.monotonic() - started))):
+            return

@@ -14,6 +14,7 @@ import uuid
 
 from celery.signals import worker_shutting_down
 
+from core import liveness
 from core.clock import SystemClock
 from core.db import Database
 from core.objectstore import open_store
@@ -64,6 +65,7 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
                 # Its runs were moved elsewhere: running them here too would fork them.
                 log.error("worker %s was declared dead (lease lost); exiting", worker_id)
                 os._exit(3)
+            liveness.touch(settings.liveness_file)
 
     def poll() -> None:
         while not stop.wait(POLL_SECONDS):
