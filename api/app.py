@@ -44,7 +44,7 @@ from core import sessions as session_service
 from core.clock import Clock, SystemClock
 from core.objectstore import open_store
 from core.settings import Mode, Settings
-from scheduler import artifact_gc, retention
+from scheduler import artifact_cache, artifact_gc, retention
 from scheduler.dispatch import CeleryDispatcher, Dispatcher
 from scheduler.notify import InProcessNotifier, Notifier, RedisNotifier
 from scheduler.worker.embedded import embedded_dispatcher
@@ -91,6 +91,8 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         periodic = [
             asyncio.create_task(_sweep_expired_sessions(state)),
             asyncio.create_task(state.readiness.run_periodically()),
+            # Each replica's own disk: its copies of S3 artifacts (`scheduler.artifact_cache`).
+            asyncio.create_task(_trim_artifact_cache(state)),
         ]
         if settings.mode is Mode.EMBEDDED:  # distributed mode: `treadle-server beat` runs them
             periodic.append(asyncio.create_task(_run_billing_jobs(state)))
@@ -182,6 +184,15 @@ async def _collect_artifacts(state: AppState) -> None:
             artifact_gc.run_periodic, state.database, state.settings, state.clock, state.store
         )
         await asyncio.sleep(artifact_gc.EVERY_SECONDS)
+
+
+async def _trim_artifact_cache(state: AppState) -> None:
+    """Remove this process's cached artifact files nothing will read again."""
+    while True:
+        await asyncio.to_thread(
+            artifact_cache.run_periodic, state.database, state.settings, state.clock, state.store
+        )
+        await asyncio.sleep(artifact_cache.EVERY_SECONDS)
 
 
 async def _prune_op_log(state: AppState) -> None:
