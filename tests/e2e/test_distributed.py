@@ -5,8 +5,11 @@ middle of a loop costs the client latency, not errors."""
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
 from core.tables import ModelVersion, Operation, OpStatus, Session, TrainingRun, Worker
+from scheduler import workers
 from scheduler.ops import OpKind
 from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
@@ -406,3 +410,69 @@ def _wait_for(
                 return worker
         time.sleep(0.5)
     raise AssertionError(f"worker {worker_id} never reached the expected state")
+
+
+def _live_workers(group: Cluster, database: Database, count: int, model: str = MODEL) -> None:
+    """Start workers serving `model` until `count` are live (earlier tests kill some)."""
+
+    def serving() -> list[str]:
+        with database.transaction() as db:
+            return [
+                w.id
+                for w in workers.live(db, datetime.now(UTC))
+                if any(entry["name"] == model for entry in w.models)
+            ]
+
+    for n in range(count - len(serving())):
+        group.start_worker(f"extra-{len(group.workers)}-{n}", model)
+    deadline = time.monotonic() + 120
+    while len(serving()) < count:
+        assert time.monotonic() < deadline, f"{count} workers serving {model} never came up"
+        time.sleep(0.5)
+
+
+@ONE_STORE
+def test_stopped_worker_hands_its_run_over_at_once(
+    running: tuple[Cluster, Database, TenantFactory], embedded_losses: dict[int, list[float]]
+) -> None:
+    """SIGTERM on the worker holding a run in the middle of a tinker loop: the worker saves the
+    run and hands it to the other worker as it exits, so the loop pauses for a restore, not for
+    a lease to lapse; the losses are an undisturbed run's and each op is billed once."""
+    group, database, make_tenant = running
+    _live_workers(group, database, 2)
+    tenant = make_tenant()
+    finished: list[float] = []
+    stopped: dict[str, str] = {}
+
+    def stop_holder(step: int, run_id: str) -> None:
+        finished.append(time.monotonic())
+        if step != 3:
+            return
+        with database.reader() as db:
+            holder = db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == run_id))
+        assert holder in group.workers
+        os.killpg(group.workers[holder].pid, signal.SIGTERM)
+        stopped.update(run=run_id, worker=holder)
+
+    losses = scenario(group.api_urls["a1"], tenant.key, 8, on_step=stop_holder)
+    assert losses == pytest.approx(embedded_losses[8], rel=1e-4)
+    assert group.workers[stopped["worker"]].wait(timeout=60) == 0
+    with database.reader() as db:
+        left = db.get(Worker, stopped["worker"])
+        assert left is not None and left.status == "left"  # it left; beat declared no one dead
+        new_holder = db.scalar(
+            select(TrainingRun.worker_id).where(TrainingRun.id == stopped["run"])
+        )
+        per_op_kind = db.execute(
+            select(UsageEvent.operation_id, UsageEvent.kind, func.count())
+            .where(UsageEvent.tenant_id == tenant.tenant_id)
+            .group_by(UsageEvent.operation_id, UsageEvent.kind)
+        ).all()
+    assert new_holder not in (None, stopped["worker"])
+    assert per_op_kind and all(count == 1 for _, _, count in per_op_kind)
+    assert "handed over in" in group.log(stopped["worker"])
+    gaps = [b - a for a, b in itertools.pairwise(finished)]
+    print(
+        f"\nstopped {stopped['worker']} after step 3: largest step gap {max(gaps[3:]):.2f} s "
+        f"(steps before the stop: largest {max(gaps[:3]):.2f} s)"
+    )

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from core import runs
+from core.tables import TrainingRun, Worker
 from scheduler import convert, oplog, retention
 from scheduler.ops import OpKind
 from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor
 from scheduler.worker.recovery import RestoreImpossible, restore_run
+from tests.builders import make_settings
 from tests.scheduling import (
     MODEL,
     Rows,
@@ -95,7 +98,8 @@ def _restore(rows: Rows, host: WorkerHost, tmp_path: Path, run_id: str) -> Engin
     fresh = cpu_engine(tmp_path / "fresh")
     assert run_id not in fresh.run_ids()
     executor = Executor(fresh, host.store, rows.database, rows.clock)
-    assert restore_run(fresh, host.store, rows.database, executor, run_id) >= 1
+    restore_run(fresh, host.store, rows.database, executor, run_id)
+    assert run_id in fresh.run_ids()
     return fresh
 
 
@@ -205,3 +209,83 @@ def test_restoring_a_run_whose_replayed_payload_was_pruned_fails_naming_the_op(
         match=rf"operation {after_snapshot.id} \(forward_backward, seq_id 5\).* was pruned",
     ):
         restore_run(fresh, host.store, rows.database, executor, run)
+
+
+def _pinned_host(rows: Rows, engine: Engine, tmp_path: Path, **options: Any) -> WorkerHost:
+    """A distributed worker `w1` (it runs only what is placed on it) beside a live `w2`."""
+    host = worker_host(
+        rows.database,
+        rows.clock,
+        engine,
+        tmp_path / "art",
+        worker_id="w1",
+        owned_only=True,
+        **options,
+    )
+    host.register([MODEL], host.store)
+    rows.worker("w2", [MODEL])
+    return host
+
+
+def _stepped_on(rows: Rows, host: WorkerHost) -> str:
+    """`_stepped`, on a run placed on the host's worker."""
+    run = rows.run(rows.tenant(), rank=4, seed=3)
+    with rows.database.transaction() as db:
+        runs.assign_worker(db.get(TrainingRun, run), host.worker_id)
+    for step in range(STEPS):
+        fb, optim = 2 * step + 1, 2 * step + 2
+        rows.training_op(
+            run, fb, OpKind.FORWARD_BACKWARD, forward_backward_payload(run, fb, TOKENS)
+        )
+        rows.training_op(run, optim)
+    assert host.drain() == 1 + 2 * STEPS
+    return run
+
+
+def test_a_worker_that_leaves_saves_its_run_so_the_next_one_replays_nothing(
+    rows: Rows,
+    engine: Engine,
+    tmp_path: Path,
+    replayed: list[tuple[OpKind, int | None]],
+) -> None:
+    host = _pinned_host(rows, engine, tmp_path, snapshot_every_steps=2)
+    run = _stepped_on(rows, host)
+    assert rows.training_run(run).snapshot_seq_id == 4  # the periodic one
+    waiting = rows.training_op(run, 2 * STEPS + 1)  # queued when the worker leaves
+    settings = make_settings(tmp_path, "sqlite:///unused.db")
+    assert host.hand_over(settings) == {"w2": {run}}
+    moved = rows.training_run(run)
+    assert (moved.worker_id, moved.snapshot_seq_id) == ("w2", 2 * STEPS)
+    assert rows.op(waiting.request_id).status == "queued"
+    with rows.database.reader() as db:
+        left = db.get(Worker, "w1")
+        assert left is not None and (left.status, left.left_at) == ("left", rows.clock.now())
+    replayed.clear()
+    fresh = _restore(rows, host, tmp_path, run)
+    assert replayed == []
+    assert _loss(fresh, run) == pytest.approx(_loss(engine, run), rel=1e-6)
+
+
+def test_a_run_with_gradients_pending_is_not_saved_as_its_worker_leaves(
+    rows: Rows,
+    engine: Engine,
+    tmp_path: Path,
+    replayed: list[tuple[OpKind, int | None]],
+) -> None:
+    """Its saved state would lack the gradients: the next worker replays them instead."""
+    host = _pinned_host(rows, engine, tmp_path, snapshot_every_steps=2)
+    run = _stepped_on(rows, host)
+    fb = 2 * STEPS + 1
+    rows.training_op(run, fb, OpKind.FORWARD_BACKWARD, forward_backward_payload(run, fb, TOKENS))
+    assert host.drain() == 1
+    assert host.hand_over(make_settings(tmp_path, "sqlite:///unused.db")) == {}
+    moved = rows.training_run(run)
+    assert (moved.worker_id, moved.snapshot_seq_id) == (None, 4)  # nothing queued: not placed
+    replayed.clear()
+    fresh = _restore(rows, host, tmp_path, run)
+    assert replayed == [
+        (OpKind.FORWARD_BACKWARD, 5),
+        (OpKind.OPTIM_STEP, 6),
+        (OpKind.FORWARD_BACKWARD, 7),
+    ]
+    assert fresh.gradients_pending(run)
