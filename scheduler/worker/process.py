@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
+import time
 import uuid
+from typing import TYPE_CHECKING
 
 from celery.signals import worker_shutting_down
 
@@ -19,9 +22,16 @@ from core.clock import SystemClock
 from core.db import Database
 from core.objectstore import open_store
 from core.settings import Settings
+from core.tables import WorkerStatus
+from scheduler import artifact_cache
 from scheduler.celery_app import make_celery, worker_queue
 from scheduler.notify import RedisNotifier
 from scheduler.worker.celery_tasks import install_host, register_tasks
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from scheduler.worker.host import WorkerHost
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +62,27 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     )
     install_host(host)
     stop = threading.Event()
+    draining = threading.Event()
 
     def keep_lease() -> None:
         # Its own thread, so long engine work never lets the lease lapse.
         while not stop.wait(settings.worker_lease_seconds / 3):
             try:
-                alive = host.renew_lease()
+                status = host.renew_lease()
             except Exception:
                 log.exception("could not renew the lease; retrying")
                 continue
-            if not alive:
+            if status is None:
                 # Its runs were moved elsewhere: running them here too would fork them.
                 log.error("worker %s was declared dead (lease lost); exiting", worker_id)
                 os._exit(3)
             liveness.touch(settings.liveness_file)
+            if status is WorkerStatus.DRAINING and not draining.is_set():
+                # Asked to drain (`treadle-server admin workers drain`): stop as on SIGTERM,
+                # which hands the runs over on the way out.
+                draining.set()
+                log.info("worker %s asked to drain; stopping", worker_id)
+                os.kill(os.getpid(), signal.SIGTERM)
 
     def poll() -> None:
         while not stop.wait(POLL_SECONDS):
@@ -82,6 +99,11 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     worker_shutting_down.connect(stop_claiming, weak=False)
     threading.Thread(target=keep_lease, name="treadle-lease", daemon=True).start()
     threading.Thread(target=poll, name="treadle-poll", daemon=True).start()
+    # This machine's copies of artifacts: beat, on another machine, cannot remove them.
+    cache_job = (stop, database, settings, clock, store)
+    threading.Thread(
+        target=artifact_cache.keep_trimmed, args=cache_job, name="treadle-cache", daemon=True
+    ).start()
     app = make_celery(settings)
     register_tasks(app)
     log.info(
@@ -94,6 +116,9 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     try:
         app.worker_main(
             [
+                # No banner: the line above says what this worker serves, and the output stays
+                # log lines alone (one JSON object each with TREADLE_LOG_FORMAT=json).
+                "--quiet",
                 "worker",
                 "--pool",
                 "solo",
@@ -106,11 +131,28 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
                 "--without-gossip",
                 "--without-mingle",
                 "--without-heartbeat",
-                "--loglevel",
-                "INFO",
             ]
         )
     finally:
         stop.set()
-        # Samples in flight are queued again now, rather than once this worker's lease lapses.
+        hand_over(host, settings, app)
+
+
+def hand_over(host: WorkerHost, settings: Settings, app: Celery) -> None:
+    """Leaving on purpose: finish the step in progress, give back the samples in flight, save
+    and unpin the runs, and wake the workers they are placed on, so clients wait for a restore
+    rather than for this worker's lease to lapse."""
+    from scheduler.dispatch import wake_worker
+
+    started = time.monotonic()
+    try:
+        wake = host.hand_over(settings)
+    except Exception:
+        log.exception(
+            "handing the runs over failed; they move once this worker's lease lapses instead"
+        )
         host.close()
+        return
+    for target_worker in wake:
+        wake_worker(app, target_worker)
+    log.info("handed over in %.0f ms", (time.monotonic() - started) * 1000)
