@@ -23,11 +23,18 @@ def _serves(worker: Worker, model: str) -> bool:
     return any(entry["name"] == model for entry in worker.models)
 
 
+def live_servers(
+    db: OrmSession, settings: Settings, now: datetime, base_model: str
+) -> list[Worker]:
+    """The live workers serving `base_model` (an alias: the model it names)."""
+    served = settings.model_aliases.get(base_model, base_model)
+    return [w for w in workers.live(db, now) if _serves(w, served)]
+
+
 def choose_worker(
     db: OrmSession, settings: Settings, now: datetime, base_model: str, prefer: str | None = None
 ) -> str | None:
-    served = settings.model_aliases.get(base_model, base_model)
-    candidates = [w for w in workers.live(db, now) if _serves(w, served)]
+    candidates = live_servers(db, settings, now, base_model)
     if not candidates:
         return None
     if prefer is not None and any(w.id == prefer for w in candidates):
