@@ -111,7 +111,7 @@ def test_a_run_whose_holder_lapsed_or_died_is_placed_again(rows: Rows, settings:
     rows.worker("w-b", [MODEL])
     # Before the beat reaps w-a, placement already sees its lease lapsed.
     assert _place(rows, settings, lapsed) == "w-b"
-    assert reap_dead_workers(rows.database, rows.clock) == ["w-a"]
+    assert reap_dead_workers(rows.database, settings, rows.clock) == ["w-a"]
     assert _holder(rows, reaped) is None  # the reaper unpins it
     assert _place(rows, settings, reaped) == "w-b"
 
