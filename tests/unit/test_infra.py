@@ -19,6 +19,7 @@ import typer
 import yaml
 
 from api.cli import app as cli_app
+from core.settings import Settings
 
 pytestmark = pytest.mark.unit
 
@@ -47,10 +48,12 @@ def cli_commands() -> dict[str, Any]:
     return dict(typer.main.get_command(cli_app).commands)  # type: ignore[attr-defined]
 
 
-def check_invocation(args: list[str], where: str) -> None:
-    """`treadle-server ARGS` names a real service subcommand with options it has."""
+def check_invocation(
+    args: list[str], where: str, subcommands: set[str] = SERVICE_SUBCOMMANDS
+) -> None:
+    """`treadle-server ARGS` names a real subcommand (of `subcommands`) with options it has."""
     assert args, f"{where}: no command"
-    assert args[0] in SERVICE_SUBCOMMANDS, f"{where}: {args[0]!r} is not a service subcommand"
+    assert args[0] in subcommands, f"{where}: {args[0]!r} is not one of {sorted(subcommands)}"
     command = cli_commands().get(args[0])
     assert command is not None, f"{where}: `treadle-server {args[0]}` does not exist"
     known = {opt for param in command.params for opt in param.opts}
@@ -63,6 +66,28 @@ def test_service_subcommands_exist_in_the_cli() -> None:
     assert set(cli_commands()) >= SERVICE_SUBCOMMANDS
     with pytest.raises(AssertionError):
         check_invocation(["worker", "--gpu", "0"], "self-check")
+
+
+def option(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]
+
+
+def check_probe(command: list[str], liveness_file: str, where: str) -> float:
+    """`treadle-server probe --file F --max-age S` with F the process's liveness file (under
+    /tmp, writable with a read-only root); returns S."""
+    assert command[0] == "treadle-server", f"{where}: the probe must be treadle-server's"
+    check_invocation(command[1:], where, subcommands={"probe"})
+    assert option(command, "--file") == liveness_file, f"{where}: probes another file"
+    assert liveness_file.startswith("/tmp/"), where
+    return float(option(command, "--max-age"))
+
+
+# What the deployment files must outlast: a long poll (the API) and a drain (a worker hands its
+# runs over, about a minute), and the rates at which the liveness files are touched.
+LONG_POLL_SECONDS = Settings.model_fields["long_poll_seconds"].default
+DRAIN_SECONDS = 60.0
+BEAT_TICK_SECONDS = 2.0
 
 
 # --- Dockerfiles ---------------------------------------------------------------------------
@@ -366,6 +391,71 @@ def test_compose_bakes_in_no_secret() -> None:
     assert values.get("TREADLE_SERVER_SECRET") == "" and values.get("POSTGRES_PASSWORD") == ""
 
 
+def duration_seconds(text: str) -> float:
+    """A compose duration ("40s", "2m", "1m30s") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"not a duration: {text}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def compose_default(value: str) -> str:
+    """The default of `${NAME:-default}`, or the value itself."""
+    match = re.fullmatch(r"\$\{\w+:-(.*)\}", value)
+    return match[1] if match else value
+
+
+def test_compose_durations_parse() -> None:
+    assert duration_seconds("1m30s") == 90 and duration_seconds("40s") == 40
+    with pytest.raises(AssertionError):
+        duration_seconds("2 minutes")
+
+
+def test_compose_stop_grace_periods_outlast_a_long_poll_and_a_drain() -> None:
+    for name, service in by_subcommand("api").items():
+        assert duration_seconds(service["stop_grace_period"]) >= LONG_POLL_SECONDS + 10, name
+    for name, service in by_subcommand("worker").items():
+        assert duration_seconds(service["stop_grace_period"]) >= DRAIN_SECONDS + 30, name
+
+
+def test_compose_workers_and_beat_are_healthy_while_their_loops_run() -> None:
+    for name, service in {**by_subcommand("worker"), **by_subcommand("beat")}.items():
+        health = service["healthcheck"]
+        assert health["test"][0] == "CMD", name
+        max_age = check_probe(
+            health["test"][1:], service["environment"]["TREADLE_LIVENESS_FILE"], name
+        )
+        # The probe starts a Python interpreter: a second or more on a busy machine.
+        assert duration_seconds(health["timeout"]) >= 5, name
+        if service["command"][0] == "worker":
+            lease = float(compose_default(service["environment"]["TREADLE_WORKER_LEASE_SECONDS"]))
+            # Renewed every third of the lease: a renewal or two may fail without a verdict.
+            assert max_age >= lease, name
+            # Loading the models comes before the first renewal.
+            assert duration_seconds(health["start_period"]) >= 300, name
+        else:
+            assert max_age >= 30 * BEAT_TICK_SECONDS, name
+    for name, service in by_subcommand("api").items():
+        assert "TREADLE_LIVENESS_FILE" not in service["environment"], f"{name} serves probes"
+
+
+def test_compose_bounds_the_logs_of_every_service() -> None:
+    for name, service in compose()["services"].items():
+        logging = service.get("logging")
+        assert logging and logging["driver"] == "json-file", f"{name}: no log limits"
+        assert re.fullmatch(r"\d+[km]", logging["options"]["max-size"]), name
+        assert int(logging["options"]["max-file"]) >= 1, name
+
+
+def test_compose_workers_read_model_folders_from_a_read_only_volume() -> None:
+    for name, service in by_subcommand("worker").items():
+        mounts = {m.rsplit(":", 2)[1]: m.rsplit(":", 2) for m in service["volumes"]}
+        assert "/models" in mounts and mounts["/models"][2] == "ro", name
+        folders = json.loads(service["environment"]["TREADLE_MODEL_FOLDERS"])
+        assert isinstance(folders, dict), name
+        assert all(path.startswith("/models/") for path in folders.values()), name
+
+
 def compose_cli() -> list[str] | None:
     if shutil.which("docker"):
         probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=60)
@@ -468,9 +558,12 @@ def test_template_blocks_are_balanced() -> None:
         assert len(opener.findall(text)) == len(closer.findall(text)), f"{name}: if/range/with/end"
 
 
-def pseudo_render(text: str) -> list[dict[str, Any]]:
+def pseudo_render(text: str, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Enough of Helm to see a template's YAML shape: both branches of every `if` are kept,
-    `toYaml .Values.x | nindent N` and `{{ .Values.x }}` get their values, anything else `X`."""
+    `toYaml .Values.x | nindent N` and `{{ .Values.x }}` get their values (from `values`, by
+    default values.yaml), anything else `X`. An empty list adds nothing (it is appended to a
+    list, or guarded by an `if`)."""
+    values = chart_values() if values is None else values
     out: list[str] = []
     for line in text.splitlines():
         stripped = line.strip()
@@ -481,8 +574,10 @@ def pseudo_render(text: str) -> list[dict[str, Any]]:
             indent = " " * int(block[2])
             source = re.fullmatch(r"toYaml\s+\.Values\.([\w.]+)", block[1])
             if source:
-                dumped = yaml.safe_dump(lookup(chart_values(), source[1]), default_flow_style=False)
-                if dumped.strip() in ("{}", "[]"):
+                dumped = yaml.safe_dump(lookup(values, source[1]), default_flow_style=False)
+                if dumped.strip() == "[]":
+                    continue
+                if dumped.strip() == "{}":
                     dumped = "rendered: X\n"
                 out += [indent + ln for ln in dumped.splitlines()]
             else:
@@ -491,7 +586,7 @@ def pseudo_render(text: str) -> list[dict[str, Any]]:
 
         def value(m: re.Match[str]) -> str:
             ref = re.fullmatch(r"\.Values\.([\w.]+)(\s*\|\s*quote)?", m[1].strip())
-            return str(lookup(chart_values(), ref[1])) if ref else "X"
+            return str(lookup(values, ref[1])) if ref else "X"
 
         out.append(re.sub(r"\{\{-?(.*?)-?\}\}", value, line))
     return [doc for doc in yaml.safe_load_all("\n".join(out)) if doc]
