@@ -7,7 +7,11 @@ Prints one JSON object:
 - `sft_tokens_per_s` for distributed and embedded mode and their `ratio` (goal ≥ 0.9), the
   same tinker-SDK loop (forward_backward + optim_step back to back);
 - `failover_s`: from kill -9 of the worker holding a run to the completion of that run's next
-  op on another worker (goal ≤ 30 s on the tiny model).
+  op on another worker (goal ≤ 30 s on the tiny model);
+- `rolling_restart`: a tinker-SDK loop (forward_backward + optim_step, tiny model) steps while
+  each worker in turn is stopped with SIGTERM (it hands its runs over as it exits) and started
+  again under its id: the largest gap between two completed steps (goal ≤ 2 s), the typical
+  gap, and `failover_over_drain`, how many times longer a kill -9 makes the client wait.
 
 Uses the machine's PostgreSQL and Redis (or starts private ones, like the test suite).
 Run: `python bench/distributed.py [--model treadle/tiny-10m] [--steps 6]`.
@@ -88,6 +92,60 @@ def failover(group: object, database: object, base_url: str, key: str) -> float:
     return elapsed
 
 
+def rolling_restart(
+    group: object, database: object, base_url: str, key: str, models: list[str]
+) -> dict[str, float]:
+    import itertools
+    import os
+    import signal
+    import statistics
+    import threading
+
+    import tinker
+    from sqlalchemy import select
+    from tinker import types
+
+    from core.tables import Worker
+
+    client = tinker.ServiceClient(base_url=base_url, api_key=key)
+    trainer = client.create_lora_training_client(base_model="treadle/tiny-1m", rank=4).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(10, 40))),
+        loss_fn_inputs={"target_tokens": list(range(11, 41)), "weights": [1.0] * 30},
+    )
+    finished: list[float] = []
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.is_set():
+            trainer.forward_backward([datum], "cross_entropy")
+            trainer.optim_step(types.AdamParams()).result()
+            finished.append(time.monotonic())
+
+    def status(worker_id: str) -> str | None:
+        with database.reader() as db:  # type: ignore[attr-defined]
+            return db.scalar(select(Worker.status).where(Worker.id == worker_id))
+
+    for name in group.workers:  # type: ignore[attr-defined]
+        while status(name) != "live":
+            time.sleep(0.2)
+    stepping = threading.Thread(target=loop)
+    stepping.start()
+    for name in sorted(group.workers):  # type: ignore[attr-defined]
+        time.sleep(2)
+        os.killpg(group.workers[name].pid, signal.SIGTERM)  # type: ignore[attr-defined]
+        group.workers[name].wait(timeout=120)  # type: ignore[attr-defined]
+        group.start_worker(name, *models)  # type: ignore[attr-defined]
+        while status(name) != "live":
+            time.sleep(0.2)
+    time.sleep(2)
+    done.set()
+    stepping.join()
+    client.close("success").result(timeout=60)
+    gaps = [b - a for a, b in itertools.pairwise(finished)]
+    return {"max_gap_s": round(max(gaps), 2), "median_gap_s": round(statistics.median(gaps), 3)}
+
+
 def main() -> None:
     from core.db import Database
     from core.settings import Settings
@@ -126,8 +184,9 @@ def main() -> None:
             models=json.dumps([args.model, "treadle/tiny-1m"]),
         ) as group,
     ):
+        models = [args.model, "treadle/tiny-1m"]
         for name in ("w1", "w2"):
-            group.start_worker(name, args.model, "treadle/tiny-1m")
+            group.start_worker(name, *models)
         api_url = group.start_api("a1")
         group.start_beat()
         database = Database(db_url)
@@ -137,6 +196,10 @@ def main() -> None:
         distributed_tps = sft_tps(api_url, key, args.model, rows, args.steps)
         latency = tiny_op_latency(api_url, key, group.apis["a1"].pid, args.tiny_ops)
         failover_s = failover(group, database, api_url, key)
+        for name, proc in group.workers.items():  # the one failover killed starts again
+            if proc.poll() is not None:
+                group.start_worker(name, *models)
+        restart = rolling_restart(group, database, api_url, key, models)
     result.update(
         {
             **latency,
@@ -146,6 +209,10 @@ def main() -> None:
             },
             "ratio": round(distributed_tps / embedded_tps, 3),
             "failover_s": round(failover_s, 1),
+            "rolling_restart": {
+                **restart,
+                "failover_over_drain": round(failover_s / restart["max_gap_s"], 1),
+            },
         }
     )
     print(json.dumps(result, indent=2))

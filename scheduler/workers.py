@@ -43,13 +43,15 @@ def register(
 def renew(
     db: OrmSession, worker_id: str, *, lease_until: datetime, held_runs: int, adapter_bytes: int
 ) -> WorkerStatus | None:
-    """Extend a live or draining worker's lease and record what it holds; returns its status,
-    or None when it was declared dead meanwhile (then it must stop) or left."""
+    """Extend a live or draining worker's lease and record what it holds; returns its status
+    (dead: declared dead meanwhile, then it must stop; left: it is leaving), None for a worker
+    never registered."""
     worker = db.get(Worker, worker_id)
-    if worker is None or worker.status not in HOLDING:
+    if worker is None:
         return None
-    worker.lease_expires_at = lease_until
-    worker.held_runs, worker.adapter_bytes = held_runs, adapter_bytes
+    if worker.status in HOLDING:
+        worker.lease_expires_at = lease_until
+        worker.held_runs, worker.adapter_bytes = held_runs, adapter_bytes
     return WorkerStatus(worker.status)
 
 

@@ -219,9 +219,9 @@ class WorkerHost:
             oplog.requeue_held_by(db, [self.worker_id])
 
     def renew_lease(self) -> WorkerStatus | None:
-        """Extend this worker's lease and report what it holds; returns its status (draining:
-        asked to stop and hand its runs over), or None when it was declared dead meanwhile
-        (then it must stop)."""
+        """Extend this worker's lease and report what it holds; returns its status as
+        `workers.renew` does (draining: asked to stop and hand its runs over; dead: it must
+        stop)."""
         held = self.engine.run_ids()
         held_bytes = self.engine.frozen_memory_bytes()
         for run_id in held:

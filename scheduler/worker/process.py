@@ -72,7 +72,7 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
             except Exception:
                 log.exception("could not renew the lease; retrying")
                 continue
-            if status is None:
+            if status in (None, WorkerStatus.DEAD):
                 # Its runs were moved elsewhere: running them here too would fork them.
                 log.error("worker %s was declared dead (lease lost); exiting", worker_id)
                 os._exit(3)
