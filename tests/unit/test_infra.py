@@ -20,6 +20,7 @@ import yaml
 
 from api.cli import app as cli_app
 from core.settings import Settings
+from core.tables import Worker
 
 pytestmark = pytest.mark.unit
 
@@ -650,14 +651,13 @@ def test_chart_runs_exactly_one_beat() -> None:
 def test_chart_migrates_before_install_and_upgrade() -> None:
     job = component("Job", "migrate")
     hooks = set(job["metadata"]["annotations"]["helm.sh/hook"].split(","))
-    assert {"pre-install", "pre-upgrade"} <= hooks
+    # On rollback, the older image's migrate fails unless `treadle-server downgrade` ran first.
+    assert {"pre-install", "pre-upgrade", "pre-rollback"} <= hooks
     assert containers(job)[0]["args"] == ["migrate"]
     # What the Job reads must exist before it runs: hooks of a lower weight.
     for kind in ["ConfigMap", "Secret"]:
         (obj,) = chart_objects()[kind]
-        assert {"pre-install", "pre-upgrade"} <= set(
-            obj["metadata"]["annotations"]["helm.sh/hook"].split(",")
-        )
+        assert hooks <= set(obj["metadata"]["annotations"]["helm.sh/hook"].split(","))
         assert int(obj["metadata"]["annotations"]["helm.sh/hook-weight"]) < int(
             job["metadata"]["annotations"]["helm.sh/hook-weight"]
         )
@@ -684,11 +684,143 @@ def test_chart_has_no_default_secrets() -> None:
     assert "required" in templates()["secret.yaml"]
 
 
-def helm_template(*args: str) -> subprocess.CompletedProcess[str]:
+def test_chart_containers_run_locked_down_with_their_own_writable_folders() -> None:
+    wanted = {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+    }
+    for kind in ["Deployment", "StatefulSet", "Job"]:
+        for obj in chart_objects()[kind]:
+            volumes = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+            for container in containers(obj):
+                where = f"{kind} {container['name']}"
+                security = container["securityContext"]
+                assert {k: security.get(k) for k in wanted} == wanted, where
+                assert security["capabilities"]["drop"] == ["ALL"], where
+                mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+                writable = ["/tmp"] if kind == "Job" else ["/tmp", "/var/lib/treadle"]
+                for path in writable:
+                    assert "emptyDir" in volumes[mounts[path]], f"{where}: {path} is not writable"
+
+
+def test_chart_workers_are_ready_while_they_renew_their_lease() -> None:
+    (container,) = containers(component("StatefulSet", "worker"))
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    lease = float(chart_values()["config"]["TREADLE_WORKER_LEASE_SECONDS"])
+    for probe in ["startupProbe", "readinessProbe"]:
+        spec = container[probe]
+        max_age = check_probe(spec["exec"]["command"], env["TREADLE_LIVENESS_FILE"], probe)
+        assert max_age >= lease, probe
+        assert spec["timeoutSeconds"] >= 5, f"{probe}: the probe starts a Python interpreter"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "time to load models"
+    # Restarting a worker that cannot reach the database would only drop the runs it holds.
+    assert "livenessProbe" not in container
+    assert component("StatefulSet", "worker")["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+
+
+def test_chart_restarts_a_beat_whose_loop_stopped() -> None:
+    (container,) = containers(component("Deployment", "beat"))
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    probe = container["livenessProbe"]
+    max_age = check_probe(probe["exec"]["command"], env["TREADLE_LIVENESS_FILE"], "beat")
+    assert max_age >= 30 * BEAT_TICK_SECONDS
+    assert probe["timeoutSeconds"] >= 5
+
+
+def test_chart_grace_periods_outlast_a_long_poll_and_a_drain() -> None:
+    api = component("Deployment", "api")["spec"]["template"]["spec"]
+    assert api["terminationGracePeriodSeconds"] >= LONG_POLL_SECONDS + 10
+    worker = component("StatefulSet", "worker")["spec"]["template"]["spec"]
+    assert worker["terminationGracePeriodSeconds"] >= DRAIN_SECONDS + 30
+
+
+def test_chart_disruption_budgets_keep_an_api_replica_and_all_workers_but_one() -> None:
+    budgets = {
+        pdb["metadata"]["labels"]["app.kubernetes.io/component"]: pdb
+        for pdb in chart_objects()["PodDisruptionBudget"]
+    }
+    assert budgets["api"]["spec"]["minAvailable"] == 1
+    assert budgets["worker"]["spec"]["maxUnavailable"] == 1
+    for name, pdb in budgets.items():
+        kind = "StatefulSet" if name == "worker" else "Deployment"
+        pods = component(kind, name)["spec"]["template"]["metadata"]["labels"]
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        assert selector["app.kubernetes.io/component"] == pods["app.kubernetes.io/component"]
+
+
+def test_chart_extra_volumes_mounts_and_env_reach_the_containers() -> None:
+    values = json.loads(json.dumps(chart_values()))
+    models = {"name": "models", "persistentVolumeClaim": {"claimName": "m", "readOnly": True}}
+    values["worker"]["extraVolumes"] = [models]
+    values["worker"]["extraVolumeMounts"] = [{"name": "models", "mountPath": "/models"}]
+    values["extraEnv"] = [{"name": "AWS_PROFILE", "value": "treadle"}]
+    rendered = {
+        doc["kind"]: doc
+        for name in ["worker.yaml", "api.yaml", "beat.yaml", "migrate-job.yaml"]
+        for doc in pseudo_render(templates()[name], values)
+    }
+    worker = rendered["StatefulSet"]["spec"]["template"]["spec"]
+    assert models in worker["volumes"]
+    (container,) = worker["containers"]
+    assert {"name": "models", "mountPath": "/models"} in container["volumeMounts"]
+    for kind in ["StatefulSet", "Deployment", "Job"]:
+        (container,) = containers(rendered[kind])
+        assert {"name": "AWS_PROFILE", "value": "treadle"} in container["env"], kind
+
+
+def fullname(release: str) -> str:
+    """treadle.fullname's rule (checked against _helpers.tpl below)."""
+    name = release if "treadle" in release else f"{release}-treadle"
+    return name[:63].rstrip("-")
+
+
+def helper_limit(helper: str) -> int:
+    """The `trunc N` of a helper in _helpers.tpl (the same N in each of its branches)."""
+    text = (CHART / "templates" / "_helpers.tpl").read_text()
+    _, found, rest = text.partition(f'define "{helper}"')
+    assert found, f"no helper {helper}"
+    (limit,) = set(re.findall(r"trunc (\d+)", rest.split("define ")[0]))
+    return int(limit)
+
+
+def test_worker_ids_fit_the_workers_table_for_a_long_release_name() -> None:
+    assert helper_limit("treadle.fullname") == 63
+    release = "r" * 60
+    statefulset = f"{fullname(release)}-worker"[: helper_limit("treadle.workerName")].rstrip("-")
+    # The label controller-revision-hash is <statefulset>-<10 characters>, at most 63.
+    assert len(statefulset) + 11 <= 63
+    last_pod = f"{statefulset}-{chart_values()['worker']['replicas'] * 100}"
+    assert len(last_pod) <= min(63, Worker.__table__.c.id.type.length), last_pod
+    for component_name in ["api", "beat", "migrate"]:
+        limit = helper_limit("treadle.componentName")
+        assert len(f"{fullname(release)}-{component_name}"[:limit]) <= 63
+
+
+def test_chart_tags_its_images_as_the_docs_build_them() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert chart["appVersion"] == version, "appVersion is the server's version"
+    images = chart_values()["image"]
+    assert images["api"]["tag"] == images["worker"]["tag"] == "", "tags default to appVersion"
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    built = re.findall(r"docker build -f infra/docker/(\w+)\.Dockerfile -t ([\w./-]+):?(\S*)", docs)
+    assert built
+    for dockerfile, repository, tag in built:
+        assert repository == images[dockerfile]["repository"], repository
+        assert tag == version, f"docs build {repository}:{tag}, the chart pulls :{version}"
+
+
+def helm_template(*args: str, release: str = "t") -> subprocess.CompletedProcess[str]:
     if shutil.which("helm") is None:
         pytest.skip("helm is not installed; the chart is checked statically above")
     return subprocess.run(
-        ["helm", "template", "t", str(CHART), *args], capture_output=True, text=True, timeout=120
+        ["helm", "template", release, str(CHART), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -708,6 +840,17 @@ def test_helm_renders_the_chart() -> None:
         timeout=120,
     )
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_helm_names_fit_for_a_long_release_name() -> None:
+    result = helm_template("--set", "secrets.existingSecret=x", release="r" * 53)
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    for doc in docs:
+        if doc["kind"] in ("Service", "Job"):
+            assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
+    (statefulset,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert len(statefulset["metadata"]["name"]) <= 52
 
 
 def test_helm_refuses_to_render_without_secrets() -> None:

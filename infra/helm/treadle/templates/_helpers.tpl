@@ -17,6 +17,19 @@
 {{- end }}
 {{- end }}
 
+{{/* A component's object name, "<fullname>-<component>", within the 63 characters of a
+Service or Job name: pass (list . "api"). */}}
+{{- define "treadle.componentName" -}}
+{{- printf "%s-%s" (include "treadle.fullname" (index . 0)) (index . 1) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The workers' StatefulSet and headless Service: at most 52 characters, so that the label
+controller-revision-hash (<name>-<10 characters>) stays within 63, and each pod name
+(<name>-<ordinal>), which is its worker id, within the 64 characters of workers.id. */}}
+{{- define "treadle.workerName" -}}
+{{- printf "%s-worker" (include "treadle.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
 {{- define "treadle.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{ include "treadle.selectorLabels" . }}
