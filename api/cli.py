@@ -7,7 +7,6 @@ machine); customers use the HTTP API.
 from __future__ import annotations
 
 import errno
-import logging
 import shlex
 import socket
 from datetime import UTC, datetime, timedelta
@@ -86,7 +85,7 @@ def serve(
     # The port is tried before anything else (the key above all): a server that cannot listen
     # must not make a key nor print one. It stays held until uvicorn binds it.
     probe = _bind(settings.host, settings.port)
-    _logging()
+    _logging(settings)
     try:
         application = create_app(settings)
         default = default_key(settings, application.state.treadle.database, SystemClock())
@@ -123,7 +122,8 @@ def serve(
         markup=False,
     )
     probe.close()
-    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+    # No log_config: uvicorn's loggers then keep the handler `_logging` gave every logger.
+    uvicorn.run(application, host=settings.host, port=settings.port, log_config=None)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -165,10 +165,10 @@ def _distributed_settings(command: str) -> Settings:
     return settings
 
 
-def _logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def _logging(settings: Settings) -> None:
+    from core import logs
+
+    logs.configure(settings)
 
 
 @app.command()
@@ -182,13 +182,13 @@ def api(
     from api.app import create_app
 
     settings = _distributed_settings("api")
-    _logging()
+    _logging(settings)
     try:
         application = create_app(settings)
     except TreadleError as exc:
         raise _fail(exc.message) from exc
     uvicorn.run(
-        application, host=host or settings.host, port=port or settings.port, log_level="info"
+        application, host=host or settings.host, port=port or settings.port, log_config=None
     )
 
 
@@ -206,12 +206,14 @@ def worker(
 ) -> None:
     """Run one GPU worker of distributed mode: one per device."""
     from api import dbschema
+    from scheduler.celery_app import warn_if_root
     from scheduler.worker.process import default_worker_id, run_worker
 
     settings = _distributed_settings("worker")
     if device is not None:
         settings.device = device
-    _logging()
+    _logging(settings)
+    warn_if_root()
     try:
         settings.secret_bytes()
         dbschema.require_head(Database(settings.resolved_database_url))
@@ -231,7 +233,7 @@ def beat() -> None:
     from scheduler.beat import run_beat
 
     settings = _distributed_settings("beat")
-    _logging()
+    _logging(settings)
     try:
         dbschema.require_head(Database(settings.resolved_database_url))
     except TreadleError as exc:
@@ -267,6 +269,7 @@ def migrate(
     from api import dbschema
 
     settings = Settings()
+    _logging(settings)
     if settings.database_url is None:
         settings.ensure_data_dir()
     database = Database(settings.resolved_database_url)
@@ -279,7 +282,9 @@ def downgrade(revision: Annotated[str, typer.Argument(help="Target revision, or 
     """Downgrade the database schema to an older revision."""
     from api import dbschema
 
-    database = Database(Settings().resolved_database_url)
+    settings = Settings()
+    _logging(settings)
+    database = Database(settings.resolved_database_url)
     dbschema.downgrade(database, revision)
     console.print(f"database at revision [yellow]{dbschema.current_revision(database)}[/]")
 
@@ -728,7 +733,7 @@ def billing_push() -> None:
     from billing.stripe_push import push_from_settings
 
     settings = _stripe_settings()
-    _logging()
+    _logging(settings)
     try:
         report = push_from_settings(_database(settings), settings, SystemClock())
     except TreadleError as exc:
@@ -815,7 +820,7 @@ def billing_reconcile(
         else clock.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     )
     end = _period_bound(until, "--until") if until else None
-    _logging()
+    _logging(settings)
     try:
         result = reconcile(
             _database(settings),

@@ -14,7 +14,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
+from alembic.util import CommandError
 
+from core import logs
 from core.db import Database
 from core.errors import DatabaseNotMigrated
 from core.settings import Settings
@@ -28,13 +31,27 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(db: Database, revision: str = "head") -> None:
-    with _migrating(db) as config:
+    with _migrating(db) as config, _logged(config, revision, upgrading=True):
         command.upgrade(config, revision)
 
 
 def downgrade(db: Database, revision: str = "base") -> None:
-    with _migrating(db) as config:
+    with _migrating(db) as config, _logged(config, revision, upgrading=False):
         command.downgrade(config, revision)
+
+
+def _logged(
+    config: Config, revision: str, *, upgrading: bool
+) -> contextlib.AbstractContextManager[None]:
+    """Alembic's lines when revisions are to run; none when the database is already at
+    `revision`, as on most starts (`core.logs` quiets them otherwise)."""
+    current = MigrationContext.configure(config.attributes["connection"]).get_current_revision()
+    upper, lower = (revision, current or "base") if upgrading else (current or "base", revision)
+    try:
+        pending = any(ScriptDirectory.from_config(config).iterate_revisions(upper, lower))
+    except (CommandError, RevisionError):
+        pending = True  # a target alembic cannot order: the command itself says what is wrong
+    return logs.migration_log() if pending else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

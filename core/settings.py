@@ -12,7 +12,7 @@ import enum
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import platformdirs
 from pydantic import Field, SecretStr, field_validator
@@ -24,6 +24,8 @@ from core.errors import ConfigurationError
 DEFAULT_MODELS = ("treadle/tiny-1m", "treadle/tiny-10m")
 # Request payloads stay at least this long after their op finished, for operators to inspect.
 MIN_OPLOG_RETENTION_SECONDS = 3600.0
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class Mode(enum.StrEnum):
@@ -52,6 +54,10 @@ class Settings(BaseSettings):
     # Host names the API answers for (`Host` header, without port): exact names, `*.domain`
     # or `*`. None answers any host. Comma-separated in the environment.
     allowed_hosts: Annotated[list[str] | None, NoDecode] = None
+
+    # How every process logs (`core.logs`): `text` lines for people, `json` lines for collectors.
+    log_format: Literal["text", "json"] = "text"
+    log_level: str = "INFO"
 
     session_ttl_seconds: float = 300.0
     expiry_sweep_seconds: float = 15.0
@@ -128,6 +134,26 @@ class Settings(BaseSettings):
             names = [name.strip() for name in value.split(",") if name.strip()]
             return names or None
         return value
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _known_format(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() not in LOG_FORMATS:
+            raise ValueError(
+                f"TREADLE_LOG_FORMAT {value[:40]!r} is not a log format; set it to one of "
+                f"{', '.join(LOG_FORMATS)} (or leave it unset for text)"
+            )
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, level: str) -> str:
+        if level.strip().upper() not in LOG_LEVELS:
+            raise ValueError(
+                f"TREADLE_LOG_LEVEL {level[:40]!r} is not a log level; set it to one of "
+                f"{', '.join(LOG_LEVELS)} (or leave it unset for INFO)"
+            )
+        return level.strip().upper()
 
     @field_validator("oplog_retention_seconds")
     @classmethod
