@@ -3,7 +3,8 @@
 # and `treadle-server admin ...`. No engine: the worker extra (torch, transformers, peft) is not
 # installed, and the build fails if torch is importable or gets loaded by the control plane.
 #
-#   docker build -f infra/docker/api.Dockerfile -t treadle-api .      (from the repository root)
+#   docker build -f infra/docker/api.Dockerfile -t treadle-api:0.1.0 .   (from the repository root;
+#   the tag is the version in pyproject.toml, which the Helm chart pulls)
 
 ARG PYTHON_IMAGE=python:3.11-slim
 

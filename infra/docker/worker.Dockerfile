@@ -3,7 +3,8 @@
 # GPU. The server with the `worker` extra (torch, transformers, peft, safetensors, tokenizers) on
 # a CUDA runtime base; torch comes from the PyTorch index for the CUDA version named below.
 #
-#   docker build -f infra/docker/worker.Dockerfile -t treadle-worker .   (from the repository root)
+#   docker build -f infra/docker/worker.Dockerfile -t treadle-worker:0.1.0 .   (from the repository
+#   root; the tag is the version in pyproject.toml, which the Helm chart pulls)
 #
 # The two CUDA arguments go together: pick a TORCH_INDEX_URL built for CUDA_IMAGE's CUDA version
 # and a driver on the GPU nodes that supports it (see docs/operations.md). CUDA 12.8 is the

@@ -805,9 +805,18 @@ def test_chart_tags_its_images_as_the_docs_build_them() -> None:
     assert chart["appVersion"] == version, "appVersion is the server's version"
     images = chart_values()["image"]
     assert images["api"]["tag"] == images["worker"]["tag"] == "", "tags default to appVersion"
-    docs = (ROOT / "docs" / "operations.md").read_text()
-    built = re.findall(r"docker build -f infra/docker/(\w+)\.Dockerfile -t ([\w./-]+):?(\S*)", docs)
-    assert built
+    texts = [
+        (ROOT / "docs" / "operations.md").read_text(),
+        *map(Path.read_text, DOCKERFILES.values()),
+    ]
+    built = [
+        found
+        for text in texts
+        for found in re.findall(
+            r"docker build -f infra/docker/(\w+)\.Dockerfile -t ([\w./-]+):?(\S*)", text
+        )
+    ]
+    assert len(built) >= 4, built
     for dockerfile, repository, tag in built:
         assert repository == images[dockerfile]["repository"], repository
         assert tag == version, f"docs build {repository}:{tag}, the chart pulls :{version}"
