@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
+from core.logs import Outage
 from core.settings import Settings
 from scheduler.celery_app import RUN_READY_TASK, worker_queue
 from scheduler.placement import place
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
     from celery import Celery
 
 log = logging.getLogger(__name__)
+# Every submission and beat tick wakes a worker: an outage of the broker is logged when it starts
+# and ends, not on each of them.
+_waking = Outage(
+    log, "waking workers through Redis", "workers find new work on their next poll instead"
+)
 
 
 class Dispatcher(Protocol):
@@ -91,5 +97,7 @@ class CeleryDispatcher:
 def wake_worker(celery: Celery, worker_id: str) -> None:
     try:
         celery.send_task(RUN_READY_TASK, args=[worker_id], queue=worker_queue(worker_id))
-    except Exception:
-        log.warning("could not wake worker %s; it will find the work on its next poll", worker_id)
+    except Exception as exc:
+        _waking.failed(exc)
+        return
+    _waking.succeeded()

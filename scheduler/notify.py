@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, Protocol
 
+from core.logs import Outage
+
 log = logging.getLogger(__name__)
 
 Progress = dict[int, tuple[int, list[int]]]
@@ -147,7 +149,17 @@ class RedisNotifier:
         self._local = InProcessNotifier()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._outage = False
+        self._publishing = Outage(
+            log,
+            "publishing on Redis",
+            "waiters see results on their next poll and streams get their text when results "
+            "are recorded",
+        )
+        self._listening = Outage(
+            log,
+            "listening on Redis",
+            "waiters here see results on their next poll (reconnecting every second)",
+        )
         self._progress_resumes_at = 0.0
 
     def publish(self, op_id: str) -> None:
@@ -161,22 +173,13 @@ class RedisNotifier:
             self._progress_resumes_at = time.monotonic() + self.PROGRESS_BACKOFF_S
 
     def _publish(self, channel: str, message: bytes | str) -> bool:
-        """Whether Redis took the message; warns once per outage rather than once per message."""
+        """Whether Redis took the message; logs an outage once, not once per message."""
         try:
             self._redis.publish(channel, message)
-        except Exception:
-            if not self._outage:
-                self._outage = True
-                log.warning(
-                    "could not publish on Redis (%s); waiters see results on their next poll "
-                    "and streams get their text when results are recorded",
-                    channel,
-                    exc_info=True,
-                )
+        except Exception as exc:
+            self._publishing.failed(exc)
             return False
-        if self._outage:
-            self._outage = False
-            log.info("publishing on Redis again")
+        self._publishing.succeeded()
         return True
 
     def subscribe(self, op_id: str) -> asyncio.Event:
@@ -203,13 +206,14 @@ class RedisNotifier:
             try:
                 pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.CHANNEL, self.PROGRESS_CHANNEL)
+                self._listening.succeeded()
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None and message.get("type") == "message":
                         self._dispatch(message["channel"].decode(), message["data"])
                 pubsub.close()
-            except Exception:
-                log.warning("lost the Redis notification channel; reconnecting", exc_info=True)
+            except Exception as exc:
+                self._listening.failed(exc)
                 self._stop.wait(1.0)
 
     def _dispatch(self, channel: str, data: bytes) -> None:
