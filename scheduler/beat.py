@@ -227,12 +227,14 @@ def run_beat(
     stop: threading.Event | None = None,
 ) -> None:
     """Tick every `interval_seconds` until `stop` is set (the process: until it is killed),
-    touching the liveness file after each tick and logging a heartbeat every
+    touching the liveness file as it starts and after each tick, and logging a heartbeat every
     `heartbeat_seconds`."""
     database = Database(settings.resolved_database_url)
     unplaced = UnplacedTargets()
     stop = stop or threading.Event()
     log.info("beat running every %.1f s", interval_seconds)
+    # Alive from the start: the first tick runs every periodic job at once and may be long.
+    liveness.touch(settings.liveness_file)
     ticks = failed = 0
     since = time.monotonic()
     while True:
