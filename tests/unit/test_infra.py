@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import typer
 import yaml
+from sqlalchemy import String
 
 from api.cli import app as cli_app
 from core.settings import Settings
@@ -792,8 +793,10 @@ def test_worker_ids_fit_the_workers_table_for_a_long_release_name() -> None:
     statefulset = f"{fullname(release)}-worker"[: helper_limit("treadle.workerName")].rstrip("-")
     # The label controller-revision-hash is <statefulset>-<10 characters>, at most 63.
     assert len(statefulset) + 11 <= 63
+    id_type = Worker.__table__.c.id.type
+    assert isinstance(id_type, String) and id_type.length
     last_pod = f"{statefulset}-{chart_values()['worker']['replicas'] * 100}"
-    assert len(last_pod) <= min(63, Worker.__table__.c.id.type.length), last_pod
+    assert len(last_pod) <= min(63, id_type.length), last_pod
     for component_name in ["api", "beat", "migrate"]:
         limit = helper_limit("treadle.componentName")
         assert len(f"{fullname(release)}-{component_name}"[:limit]) <= 63
