@@ -15,10 +15,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Column, Table
 
+from api import cli_fleet
+from api.cli_context import (
+    announce_writes,
+    console,
+    database_name,
+    err_console,
+    fail,
+    open_database,
+    print_table,
+    require_database_url,
+)
 from billing import pricebook
 from billing.prices import Rate
 from billing.tables import USAGE_KINDS
@@ -33,7 +42,9 @@ app = typer.Typer(
     help="Treadle server: run it, migrate its database, administer tenants and keys.",
     no_args_is_help=True,
 )
-admin = typer.Typer(help="Tenants, API keys and prices.", no_args_is_help=True)
+admin = typer.Typer(
+    help="Tenants, API keys and prices; runs, workers and stuck operations.", no_args_is_help=True
+)
 tenants_cli = typer.Typer(help="Create, list and change tenants.", no_args_is_help=True)
 keys_cli = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
 prices_cli = typer.Typer(
@@ -46,20 +57,7 @@ admin.add_typer(tenants_cli, name="tenants")
 admin.add_typer(keys_cli, name="keys")
 admin.add_typer(billing_cli, name="billing")
 admin.add_typer(prices_cli, name="prices")
-
-console = Console()
-err_console = Console(stderr=True)
-
-
-def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code=2)
-
-
-def _database(settings: Settings) -> Database:
-    from api import dbschema
-
-    return dbschema.open_database(settings)
+cli_fleet.register(admin)
 
 
 @app.command()
@@ -79,7 +77,7 @@ def serve(
     if port is not None:
         settings.port = port
     if settings.mode is Mode.DISTRIBUTED:
-        raise _fail(
+        raise fail(
             "TREADLE_REDIS_URL is set: use `treadle-server api` (and workers) for distributed mode"
         )
     # The port is tried before anything else (the key above all): a server that cannot listen
@@ -90,7 +88,7 @@ def serve(
         application = create_app(settings)
         default = default_key(settings, application.state.treadle.database, SystemClock())
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     url = f"http://{settings.host}:{settings.port}"
     console.print(f"[bold]Treadle[/] (embedded mode) listening on [cyan]{url}[/]")
     console.print(f"  data directory: {settings.data_dir}")
@@ -139,16 +137,16 @@ def _bind(host: str, port: int) -> socket.socket:
         listener.close()
         change = "choose another with --port N (or TREADLE_PORT)"
         if exc.errno == errno.EADDRINUSE:
-            raise _fail(
+            raise fail(
                 f"port {port} on {host} is already in use (another Treadle or another program "
                 f"listens there): stop it, or {change}"
             ) from None
         if exc.errno == errno.EACCES:
-            raise _fail(
+            raise fail(
                 f"no permission to listen on port {port} on {host} (ports below 1024 need "
                 f"privileges): {change}"
             ) from None
-        raise _fail(
+        raise fail(
             f"cannot listen on {host}:{port} ({exc.strerror or exc}): {change}, "
             "or another address with --host (or TREADLE_HOST)"
         ) from None
@@ -158,7 +156,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _distributed_settings(command: str) -> Settings:
     settings = Settings()
     if settings.mode is not Mode.DISTRIBUTED or settings.database_url is None:
-        raise _fail(
+        raise fail(
             f"`treadle-server {command}` is for distributed mode: set TREADLE_DATABASE_URL (PostgreSQL) "
             "and TREADLE_REDIS_URL; for one machine without them use `treadle-server serve`"
         )
@@ -186,7 +184,7 @@ def api(
     try:
         application = create_app(settings)
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     uvicorn.run(
         application, host=host or settings.host, port=port or settings.port, log_config=None
     )
@@ -218,7 +216,7 @@ def worker(
         settings.secret_bytes()
         dbschema.require_head(Database(settings.resolved_database_url))
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     run_worker(
         settings,
         worker_id=worker_id or default_worker_id(settings.device),
@@ -237,7 +235,7 @@ def beat() -> None:
     try:
         dbschema.require_head(Database(settings.resolved_database_url))
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     run_beat(settings, SystemClock())
 
 
@@ -270,6 +268,7 @@ def migrate(
 
     settings = Settings()
     _logging(settings)
+    announce_writes(settings)
     if settings.database_url is None:
         settings.ensure_data_dir()
     database = Database(settings.resolved_database_url)
@@ -284,18 +283,10 @@ def downgrade(revision: Annotated[str, typer.Argument(help="Target revision, or 
 
     settings = Settings()
     _logging(settings)
+    announce_writes(settings)
     database = Database(settings.resolved_database_url)
     dbschema.downgrade(database, revision)
     console.print(f"database at revision [yellow]{dbschema.current_revision(database)}[/]")
-
-
-def _print_table(table: Table) -> None:
-    """Print a table at its natural width even where the terminal is narrower: the terminal then
-    wraps its lines, but no cell is cut, folded or ellipsized (`admin keys revoke` and `admin
-    tenants update` need ids and names whole). Rich would shrink the widest columns first, ids
-    and timestamps included, whatever their shortest width."""
-    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
-    (console if needed <= console.width else Console(width=needed)).print(table)
 
 
 def _limits_text(value: int | None) -> str:
@@ -341,7 +332,7 @@ def _resource_limits(**given: str | None) -> dict[str, int | None]:
             limits[name] = int(text.replace(",", ""))
         except ValueError:
             option = "--" + name.replace("_", "-")
-            raise _fail(f"{option} takes a whole number or 'default', not {text[:40]!r}") from None
+            raise fail(f"{option} takes a whole number or 'default', not {text[:40]!r}") from None
     return limits
 
 
@@ -375,7 +366,7 @@ def tenants_create(
     )
     settings = Settings()
     try:
-        with _database(settings).transaction() as db:
+        with open_database(settings, writes=True).transaction() as db:
             tenant = tenants.create_tenant(
                 db,
                 SystemClock(),
@@ -387,7 +378,7 @@ def tenants_create(
             )
             console.print(f"created tenant [bold]{tenant.name}[/] ({tenant.id})")
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
 
 
 @tenants_cli.command("update")
@@ -413,7 +404,7 @@ def tenants_update(
         max_sampling_requests=max_sampling_requests,
     )
     try:
-        with _database(Settings()).transaction() as db:
+        with open_database(Settings(), writes=True).transaction() as db:
             tenant = tenants.update_tenant_limits(
                 db,
                 tenants.find_tenant(db, name),
@@ -426,7 +417,7 @@ def tenants_update(
             )
             console.print(f"updated tenant [bold]{tenant.name}[/]")
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
 
 
 @tenants_cli.command("list")
@@ -444,7 +435,7 @@ def tenants_list() -> None:
         "max sampling",
         "created",
     )
-    with _database(Settings()).transaction() as db:
+    with open_database(Settings()).transaction() as db:
         for t in tenants.list_tenants(db):
             table.add_row(
                 t.id,
@@ -455,7 +446,7 @@ def tenants_list() -> None:
                 *(_resource_limit_text(t, name) for name in tenants.RESOURCE_LIMIT_NAMES),
                 t.created_at.isoformat(timespec="seconds"),
             )
-    _print_table(table)
+    print_table(table)
 
 
 def _limit_change(dollars: str | None, remove: bool, option: str) -> int | tenants.Keep | None:
@@ -486,13 +477,13 @@ def tenants_set_limit(
     """Set a tenant's spend limits. Over a limit, new priced work is answered 402 (the tinker
     SDK pauses until the limit is raised); work already accepted finishes."""
     if (monthly is not None and no_monthly) or (per_session is not None and no_per_session):
-        raise _fail("pass a limit or its --no- option, not both")
+        raise fail("pass a limit or its --no- option, not both")
     if monthly is None and not no_monthly and per_session is None and not no_per_session:
-        raise _fail("pass --monthly, --no-monthly, --per-session or --no-per-session")
+        raise fail("pass --monthly, --no-monthly, --per-session or --no-per-session")
     monthly_micros = _limit_change(monthly, no_monthly, "--monthly")
     session_micros = _limit_change(per_session, no_per_session, "--per-session")
     try:
-        with _database(Settings()).transaction() as db:
+        with open_database(Settings(), writes=True).transaction() as db:
             tenant = tenants.set_spend_limits(
                 db,
                 SystemClock(),
@@ -506,7 +497,24 @@ def tenants_set_limit(
                 f"{_limits_text(tenant.session_spend_limit_micros)}"
             )
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
+
+
+def _api_secret(settings: Settings) -> bytes:
+    """The secret the API hashes keys with. A database named by URL (not SQLite) is one that
+    API replicas share, and they hash with TREADLE_SERVER_SECRET: a key hashed with the
+    embedded secret under the data directory would never authenticate there."""
+    if (
+        settings.server_secret is None
+        and settings.database_url is not None
+        and not settings.database_url.startswith("sqlite")
+    ):
+        raise fail(
+            f"TREADLE_SERVER_SECRET is not set, and keys on {database_name(settings)} must be "
+            "hashed with the secret its API replicas use: set TREADLE_SERVER_SECRET to that "
+            "value (a key made with another secret would never authenticate)"
+        )
+    return settings.secret_bytes()
 
 
 @keys_cli.command("create")
@@ -517,19 +525,20 @@ def keys_create(
 ) -> None:
     """Create an API key. It is shown once: store it now."""
     settings = Settings()
+    require_database_url(settings)  # before the secret: which database is the first question
     try:
-        database = _database(settings)
-        with database.transaction() as db:
+        secret = _api_secret(settings)
+        with open_database(settings, writes=True).transaction() as db:
             row, key = apikeys.issue_api_key(
                 db,
                 SystemClock(),
-                settings.secret_bytes(),
+                secret,
                 tenants.find_tenant(db, tenant),
                 name=name,
                 scope=scope,
             )
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     err_console.print(
         f"created {scope} key [bold]{row.id}[/] for tenant {tenant}; it is shown only once:"
     )
@@ -544,7 +553,7 @@ def keys_list(
     table = Table(
         Column("key id", no_wrap=True), "tenant", "name", "scope", "created", "last used", "revoked"
     )
-    with _database(Settings()).transaction() as db:
+    with open_database(Settings()).transaction() as db:
         tenant_id = tenants.find_tenant(db, tenant).id if tenant else None
         names = {t.id: t.name for t in tenants.list_tenants(db)}
         for k in apikeys.list_api_keys(db, tenant_id):
@@ -557,17 +566,17 @@ def keys_list(
                 k.last_used_at.isoformat(timespec="seconds") if k.last_used_at else "never",
                 k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
             )
-    _print_table(table)
+    print_table(table)
 
 
 @keys_cli.command("revoke")
 def keys_revoke(key_id: str) -> None:
     """Revoke an API key by its id; requests with it then get 401."""
     try:
-        with _database(Settings()).transaction() as db:
+        with open_database(Settings(), writes=True).transaction() as db:
             apikeys.revoke_api_key(db, SystemClock(), key_id)
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     console.print(f"revoked key [bold]{key_id}[/]")
 
 
@@ -601,7 +610,7 @@ def prices_set(
     effective_from = None if effective is None else _utc_time(effective)
     try:
         settings = Settings()
-        with _database(settings).transaction() as db:
+        with open_database(settings, writes=True).transaction() as db:
             rate = pricebook.set_price(
                 db,
                 SystemClock(),
@@ -613,7 +622,7 @@ def prices_set(
                 delay=timedelta(seconds=settings.price_delay_seconds),
             )
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     console.print(
         f"{rate.base_model} {rate.kind}: ${_dollars(rate.unit_micros)} "
         f"{pricebook.unit_of(rate.kind)} from {rate.effective_from.isoformat()} (version {rate.id})"
@@ -624,13 +633,13 @@ def prices_set(
 def prices_list() -> None:
     """The prices in force now, per base model and kind ('*': every model without its own)."""
     now = SystemClock().now()
-    with _database(Settings()).reader() as db:
+    with open_database(Settings()).reader() as db:
         rates = pricebook.prices_in_force(db, now)
         scheduled = [r for r in pricebook.price_history(db) if r.effective_from > now]
     table = Table("model", "kind", "price ($)", "cached ($)", "unit", "since", "version")
     for r in rates:
         table.add_row(*_price_cells(r), r.effective_from.isoformat(timespec="seconds"), str(r.id))
-    _print_table(table)
+    print_table(table)
     if scheduled:
         console.print(
             f"{len(scheduled)} version(s) take effect later; `treadle-server admin prices "
@@ -645,7 +654,7 @@ def prices_history(
 ) -> None:
     """Every price version, latest effective first, with when and by whom it was set."""
     now = SystemClock().now()
-    with _database(Settings()).reader() as db:
+    with open_database(Settings()).reader() as db:
         rates = pricebook.price_history(db, base_model=base_model, kind=kind)
         in_force = {r.id for r in pricebook.prices_in_force(db, now)}
     table = Table(
@@ -658,7 +667,7 @@ def prices_history(
         table.add_row(
             *_price_cells(r), r.effective_from.isoformat(timespec="seconds"), state, str(r.id)
         )
-    _print_table(table)
+    print_table(table)
 
 
 def _micros(dollars: str, what: str) -> int:
@@ -666,9 +675,9 @@ def _micros(dollars: str, what: str) -> int:
     try:
         amount = Decimal(dollars.strip().lstrip("$").replace(",", "")) * 1_000_000
     except InvalidOperation:
-        raise _fail(f"{what} is {dollars[:40]!r}; give dollars as a number, e.g. 0.22") from None
+        raise fail(f"{what} is {dollars[:40]!r}; give dollars as a number, e.g. 0.22") from None
     if not amount.is_finite() or amount != amount.to_integral_value():
-        raise _fail(f"{what} {dollars[:40]} is finer than a micro-dollar; round it to 6 decimals")
+        raise fail(f"{what} {dollars[:40]} is finer than a micro-dollar; round it to 6 decimals")
     return int(amount)
 
 
@@ -682,11 +691,11 @@ def _utc_time(text: str) -> datetime:
     try:
         value = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise _fail(
+        raise fail(
             f"--effective {text[:40]!r} is not an ISO 8601 time; write e.g. 2027-01-01T00:00Z"
         ) from None
     if value.tzinfo is None:
-        raise _fail(f"--effective {text[:40]} has no time zone; append Z for UTC")
+        raise fail(f"--effective {text[:40]} has no time zone; append Z for UTC")
     return value.astimezone(UTC)
 
 
@@ -708,19 +717,19 @@ def tenants_link_stripe(
 ) -> None:
     """Bill a tenant's usage to a Stripe customer (Billing meters, pushed hourly)."""
     try:
-        with _database(Settings()).transaction() as db:
+        with open_database(Settings(), writes=True).transaction() as db:
             row = tenants.link_stripe_customer(
                 db, SystemClock(), tenants.find_tenant(db, tenant), customer, actor="operator"
             )
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     console.print(f"tenant [bold]{row.name}[/] is billed to Stripe customer [bold]{customer}[/]")
 
 
 def _stripe_settings() -> Settings:
     settings = Settings()
     if settings.stripe_api_key is None:
-        raise _fail(
+        raise fail(
             "TREADLE_STRIPE_API_KEY is not set: set it to a Stripe secret or restricted key "
             "with Billing meter access"
         )
@@ -735,12 +744,12 @@ def billing_push() -> None:
     settings = _stripe_settings()
     _logging(settings)
     try:
-        report = push_from_settings(_database(settings), settings, SystemClock())
+        report = push_from_settings(open_database(settings, writes=True), settings, SystemClock())
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     assert report is not None  # a key is set
     if not report.ran:
-        raise _fail("another Stripe push is running on this database; try again when it ends")
+        raise fail("another Stripe push is running on this database; try again when it ends")
     console.print(
         f"pushed {report.pushed} meter events ({report.value_micros / 1e6:.6f} in money), "
         f"{report.repeats} of them already held by Stripe"
@@ -776,9 +785,9 @@ def billing_resolve(
 
     settings = Settings()
     try:
-        push = resolve(_database(settings), SystemClock(), identifier, held=held)
+        push = resolve(open_database(settings, writes=True), SystemClock(), identifier, held=held)
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     console.print(
         f"{identifier} ({push.value:,} micro-units) "
         + ("marked as held by Stripe" if held else "forgotten; the next push sends its value")
@@ -790,7 +799,7 @@ def _period_bound(text: str, option: str) -> datetime:
     try:
         when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise _fail(
+        raise fail(
             f"{option} {text[:40]!r} is not an ISO 8601 date or time; write e.g. 2027-01-01"
         ) from None
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
@@ -823,7 +832,7 @@ def billing_reconcile(
     _logging(settings)
     try:
         result = reconcile(
-            _database(settings),
+            open_database(settings),
             gateway,
             clock,
             since=start,
@@ -832,7 +841,7 @@ def billing_reconcile(
             settle_seconds=settings.stripe_settle_seconds,
         )
     except TreadleError as exc:
-        raise _fail(exc.message) from exc
+        raise fail(exc.message) from exc
     table = Table(
         "tenant",
         "meter",
@@ -855,7 +864,7 @@ def billing_reconcile(
             if b.differs
             else "",
         )
-    _print_table(table)
+    print_table(table)
     if result.differences:
         err_console.print(f"[bold red]{len(result.differences)} meters differ from the ledger[/]")
         raise typer.Exit(code=1)
