@@ -332,10 +332,12 @@ def _queued_reasons(
     reasons = []
     if target.run is not None and target.run.status == RunStatus.FAILED:
         reasons.append("run failed")
-    served = placement.live_servers(db, settings, now, target.base_model)
-    if target.worker_id is not None and not is_alive(db, target.worker_id, now):
+    lapsed = target.worker_id is not None and not is_alive(db, target.worker_id, now)
+    if lapsed:
         reasons.append(f"worker {target.worker_id} not alive")
-    if (target.worker_id is None or reasons) and not served:
+    if (target.worker_id is None or lapsed) and not placement.live_servers(
+        db, settings, now, target.base_model
+    ):
         reasons.append(f"no live worker serves {target.base_model}")
     if target.ordered and target.run is not None and seq_id is not None:
         waits = order.waits_for(target.run, seq_id, settings.gap_timeout_seconds)
