@@ -78,6 +78,14 @@ class Cluster:
         self.behind = rows.training_op(self.busy, 2).request_id
         self.after_gap = rows.training_op(self.gapped, 2).request_id
         self.stranded_op = rows.training_op(self.stranded, 1).request_id
+        # Samples of the stranded run's current weights run where the run is; samples of the
+        # base model wait for beat to place their sampler.
+        self.following = rows.sampler(
+            self.globex, base_model=LAPSING, training_run_id=self.stranded
+        )
+        self.following_sample = rows.sample_op(self.following, 0)
+        self.base_sampler = rows.sampler(self.acme)
+        self.base_sample = rows.sample_op(self.base_sampler, 0)
         self.orphan_create = rows.ops(self.orphan)[0].id
         with rows.database.transaction() as db:
             ended = rows.training_run(self.ended)
@@ -139,7 +147,7 @@ def test_workers_lists_leases_placed_runs_and_queued_work(cluster: Cluster) -> N
     assert (b.runs_placed, b.queued_ops, b.device) == (1, 1, "cpu")
     # Lapsed, not yet declared dead by beat: still "live", its lease 95 s past.
     assert (lapsing.status, lapsing.lease_expires_in_seconds) == ("live", 5 - ELAPSED)
-    assert (lapsing.runs_placed, lapsing.queued_ops) == (1, 1)
+    assert (lapsing.runs_placed, lapsing.queued_ops) == (1, 2)  # with the live sampler's
     assert a.runs_reported == 0 and a.adapter_bytes == 0  # nothing renewed a lease yet
 
 
@@ -154,6 +162,8 @@ def test_stuck_ops_say_why_each_waits(cluster: Cluster, settings: Settings) -> N
             "waiting for seq_id 1, never submitted (skipped once a later op has waited 120 s)"
         ),
         cluster.stranded_op: f"worker w-lapsing not alive; no live worker serves {LAPSING}",
+        cluster.following_sample: (f"worker w-lapsing not alive; no live worker serves {LAPSING}"),
+        cluster.base_sample: "not placed yet (beat places queued work every few seconds)",
         cluster.orphan_create: f"no live worker serves {ORPHAN}",
     }
     assert cluster.recent not in stuck
@@ -220,32 +230,37 @@ def test_beat_says_where_a_dead_workers_work_goes_and_warns_once_per_unplaced_ta
     caplog.clear()
     for _ in range(3):  # beat's ticks
         place_queued(rows.database, settings, rows.clock, unplaced)
-    warned = [r.getMessage() for r in caplog.records]
-    # The stranded run was reported by the reaper already; the orphan once, on the first tick.
-    assert warned == [
-        f"cannot place {cluster.orphan}: no live worker serves {ORPHAN}; its queued ops wait "
-        "until one registers"
-    ]
+    warned = sorted(r.getMessage() for r in caplog.records)
+    # The stranded run was reported by the reaper already; the orphan and the sampler following
+    # the stranded run (a target of its own) once each, on the first tick; the base sampler
+    # was placed.
+    assert warned == sorted(
+        f"cannot place {target}: no live worker serves {model}; its queued ops wait until one "
+        "registers"
+        for target, model in ((cluster.orphan, ORPHAN), (cluster.following, LAPSING))
+    )
 
     caplog.clear()
     rows.worker("w-c", [MODEL, ORPHAN, LAPSING], lease_seconds=HOUR)
     wake = place_queued(rows.database, settings, rows.clock, unplaced)
-    assert wake["w-c"] >= {cluster.orphan, cluster.stranded}
+    assert wake["w-c"] == {cluster.orphan, cluster.stranded, cluster.following}
     assert not caplog.records
 
     rows.clock.advance(2 * HOUR)  # every lease lapses; w-d serves one of the models
     rows.worker("w-d", [MODEL], lease_seconds=HOUR)
     reap_dead_workers(rows.database, settings, rows.clock, unplaced)
-    said = "\n".join(r.getMessage() for r in caplog.records)
-    assert (
-        f"worker w-a stopped renewing its lease: declared dead; its 1 runs and samplers of {MODEL} move to live workers serving it (w-d)"
-        in said
-    )
-    assert (
-        f"worker w-c stopped renewing its lease: declared dead; no live worker for {ORPHAN}, so its 1 runs and samplers of it wait ({cluster.orphan})"
-        in said
+    said = [r.getMessage().split("declared dead; ", 1)[1] for r in caplog.records]
+    assert sorted(said) == sorted(
+        [
+            f"its 2 runs and samplers of {MODEL} move to live workers serving it (w-d)",  # w-a
+            f"its 1 runs and samplers of {MODEL} move to live workers serving it (w-d)",  # w-b
+            f"no live worker for {ORPHAN}, so its 1 runs and samplers of it wait "
+            f"({cluster.orphan})",
+            f"no live worker for {LAPSING}, so its 2 runs and samplers of it wait "
+            f"({', '.join(sorted([cluster.following, cluster.stranded]))})",
+        ]
     )
     caplog.clear()
     wake = place_queued(rows.database, settings, rows.clock, unplaced)
-    assert wake == {"w-d": {cluster.busy, cluster.gapped}}
+    assert wake == {"w-d": {cluster.busy, cluster.gapped, cluster.base_sampler}}
     assert not caplog.records  # the reaper said why the others wait
