@@ -46,11 +46,9 @@ def _duration(seconds: float) -> str:
 
 
 def _lease(expires_in: float) -> str:
-    return (
-        f"expires in {_duration(expires_in)}"
-        if expires_in > 0
-        else (f"lapsed {_duration(-expires_in)} ago")
-    )
+    if expires_in > 0:
+        return f"expires in {_duration(expires_in)}"
+    return f"lapsed {_duration(-expires_in)} ago"
 
 
 def runs(
