@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from api import dbschema
+from api import admin, dbschema
+from api import metrics as api_metrics
 from api.deps import AppState
 from api.errors import install_error_handlers
 from api.hosts import AllowedHosts
 from api.jsonbody import JsonBodyGuard
 from api.limits import BodySizeLimit
+from api.metrics import RequestMetrics
 from api.openapi import install_openapi
 from api.ratelimit import TokenBuckets
 from api.readiness import Readiness
@@ -45,7 +47,9 @@ from core.clock import Clock, SystemClock
 from core.objectstore import open_store
 from core.settings import Mode, Settings
 from scheduler import artifact_cache, artifact_gc, retention
+from scheduler import metrics as scheduler_metrics
 from scheduler.dispatch import CeleryDispatcher, Dispatcher
+from scheduler.fleet_gauges import FleetGauges
 from scheduler.notify import InProcessNotifier, Notifier, RedisNotifier
 from scheduler.worker.embedded import embedded_dispatcher
 
@@ -83,8 +87,14 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         readiness=Readiness(settings, database),
     )
 
+    # The fleet's gauges come from the one process that runs everything here; in distributed
+    # mode beat exports them (`scheduler.fleet_gauges`).
+    fleet = [FleetGauges(database, clock)] if settings.mode is Mode.EMBEDDED else []
+    metrics_registry = scheduler_metrics.registry_with(*fleet)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        metrics_port = scheduler_metrics.serve_port(settings, metrics_registry)
         state.dispatcher.start()
         if isinstance(notifier, RedisNotifier):
             notifier.start_listening()
@@ -110,10 +120,14 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
             if isinstance(notifier, RedisNotifier):
                 notifier.stop()
             state.readiness.close()
+            if metrics_port is not None:
+                metrics_port.shutdown()
+                metrics_port.server_close()
             database.dispose()
 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)
     app.state.treadle = state
+    app.state.metrics = metrics_registry
     install_error_handlers(app)
     install_openapi(app)
     for module in (
@@ -138,12 +152,15 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         chat,
     ):
         app.include_router(module.router)
+    admin.install(app)
+    app.include_router(api_metrics.router)
     # The last added runs first: hosts are checked before a body is read, and the size limit
     # bounds what the JSON checks buffer.
     app.add_middleware(JsonBodyGuard)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     if settings.allowed_hosts:
         app.add_middleware(AllowedHosts, patterns=settings.allowed_hosts)
+    app.add_middleware(RequestMetrics)  # outermost: times every answer, refusals included
     return app
 
 

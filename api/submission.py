@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session as OrmSession
 
+from api import metrics
 from api.deps import AppState
 from billing.estimate import Estimate
 from billing.ledger import UsageLine
@@ -230,7 +231,9 @@ def in_submission(state: AppState, work: Work) -> tuple[str, Submitted]:
     with state.database.transaction() as db:
         target_id, submitted = work(db)
         worker = state.dispatcher.assign(db, target_id)
+        kind = metrics.new_op_kind(db, submitted)
     state.dispatcher.wake(worker)
+    metrics.count_submitted(kind)
     return target_id, submitted
 
 

@@ -55,6 +55,13 @@ class Settings(BaseSettings):
     # or `*`. None answers any host. Comma-separated in the environment.
     allowed_hosts: Annotated[list[str] | None, NoDecode] = None
 
+    # Prometheus metrics. On the API's own port `/metrics` needs this bearer token (unset: it
+    # answers 404); a metrics port serves them without one, bound to `metrics_host`: workers
+    # and beat serve theirs only there (unset: none).
+    metrics_token: SecretStr | None = None
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    metrics_host: str = "127.0.0.1"
+
     # How every process logs (`core.logs`): `text` lines for people, `json` lines for collectors.
     log_format: Literal["text", "json"] = "text"
     log_level: str = "INFO"
@@ -133,6 +140,20 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             names = [name.strip() for name in value.split(",") if name.strip()]
             return names or None
+        return value
+
+    @field_validator("metrics_token", mode="before")
+    @classmethod
+    def _usable_token(cls, value: object) -> object:
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if isinstance(value, str) and not value.strip():
+            return None  # set empty (an env file's placeholder): metrics stay off
+        if isinstance(value, str) and len(value) < 16:
+            raise ValueError(
+                "TREADLE_METRICS_TOKEN is too short; set it to at least 16 random characters, "
+                "e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`"
+            )
         return value
 
     @field_validator("log_format", mode="before")

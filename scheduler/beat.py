@@ -23,7 +23,7 @@ from core.clock import Clock
 from core.db import Database
 from core.settings import Settings
 from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
-from scheduler import artifact_gc, oplog, retention, workers
+from scheduler import artifact_gc, metrics, oplog, retention, workers
 from scheduler.placement import live_servers, place
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def tick(
     if expired:
         log.info("expired %d idle sessions", len(expired))
     unplaced = unplaced if unplaced is not None else UnplacedTargets()
-    reap_dead_workers(database, settings, clock, unplaced)
+    metrics.count_failovers(len(reap_dead_workers(database, settings, clock, unplaced)))
     wake = place_queued(database, settings, clock, unplaced)
     if wake:
         celery = make_celery(settings)
@@ -232,6 +232,7 @@ def run_beat(
     database = Database(settings.resolved_database_url)
     unplaced = UnplacedTargets()
     stop = stop or threading.Event()
+    metrics.serve_port(settings, metrics.beat_registry(database, clock))
     log.info("beat running every %.1f s", interval_seconds)
     # Alive from the start: the first tick runs every periodic job at once and may be long.
     liveness.touch(settings.liveness_file)

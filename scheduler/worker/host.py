@@ -40,7 +40,7 @@ from core.tables import (
 )
 from gpu_worker.catalog import Catalog
 from gpu_worker.engine import Engine, EngineSettings
-from scheduler import oplog, workers
+from scheduler import metrics, oplog, workers
 from scheduler.failures import OpFailure
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
@@ -635,10 +635,12 @@ class WorkerHost:
         now = self.clock.now()
         with self.database.transaction() as db:
             if outcome.error is not None:
-                if oplog.fail(db, task.id, now, outcome.error) is None:
+                op = oplog.fail(db, task.id, now, outcome.error)
+                if op is None:
                     return None  # already recorded (a redelivery); never record twice
             else:
-                if oplog.finish(db, task.id, now, outcome.result, outcome.codec) is None:
+                op = oplog.finish(db, task.id, now, outcome.result, outcome.codec)
+                if op is None:
                     return None
                 if outcome.apply is not None:
                     outcome.apply(db)
@@ -653,8 +655,12 @@ class WorkerHost:
                     lines=outcome.usage,
                     rates=self.prices,
                 )
+            recorded = metrics.RecordedOp.of(op, outcome.usage if outcome.error is None else ())
             run = oplog.advance_run(db, task.kind, task.target_id, task.seq_id, now)
             stepped = task.kind is OpKind.OPTIM_STEP and outcome.error is None
-            if run is None or not stepped or run.optim_steps % self.snapshot_every_steps:
-                return None
-            return SnapshotDue(previous=run.snapshot_uri)
+            due = None
+            if run is not None and stepped and not run.optim_steps % self.snapshot_every_steps:
+                due = SnapshotDue(previous=run.snapshot_uri)
+        # Once committed: a record rolled back is made again (or never) and counted then.
+        metrics.observe_recorded(recorded)
+        return due

@@ -23,7 +23,7 @@ from core.db import Database
 from core.objectstore import open_store
 from core.settings import Settings
 from core.tables import WorkerStatus
-from scheduler import artifact_cache
+from scheduler import artifact_cache, metrics
 from scheduler.celery_app import make_celery, worker_queue
 from scheduler.notify import RedisNotifier
 from scheduler.worker.celery_tasks import install_host, register_tasks
@@ -104,6 +104,7 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     threading.Thread(
         target=artifact_cache.keep_trimmed, args=cache_job, name="treadle-cache", daemon=True
     ).start()
+    metrics.serve_port(settings)  # what this worker's host records (`scheduler.metrics`)
     app = make_celery(settings)
     register_tasks(app)
     log.info(

@@ -1,0 +1,144 @@
+"""Prometheus metrics of an API process: request latency by route, the 402 and 429 answers, ops
+submitted, and the `/metrics` route that serves them with the process's other metrics.
+
+Labels name the route's template (`/api/v1/training_runs/{model_id}`), never the URL a client
+sent, so ids never become series. `/metrics` on the API's own port needs
+`Authorization: Bearer <TREADLE_METRICS_TOKEN>`, and answers 404 while no token is set (off by
+default on the public port); TREADLE_METRICS_PORT serves the same metrics on a separate port
+without a token. The route is left out of the OpenAPI document: it is for operators' scrapers,
+not for clients. What the host records is counted by `scheduler.metrics`; the fleet's gauges
+(`scheduler.fleet_gauges`) are added by the embedded server only: in distributed mode beat
+exports them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
+from sqlalchemy.orm import Session as OrmSession
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.deps import State
+from core.errors import AuthenticationFailed, NotFound
+from core.settings import Settings
+from core.tables import Operation
+from scheduler.submit import Submitted
+
+UNMATCHED = "<unmatched>"
+"""The route label of a request no route matched (the path itself could be anything)."""
+
+REQUEST_SECONDS = Histogram(
+    "treadle_http_request_duration_seconds",
+    "Time to answer a request, from its arrival to its last byte, by route template, method "
+    "and status class (2xx, 4xx, ...); long-polls of futures last up to TREADLE_LONG_POLL_SECONDS.",
+    ["route", "method", "status_class"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+REFUSALS = Counter(
+    "treadle_http_refusals_total",
+    "402 (spend limit reached) and 429 (rate or queue limit) answers, by status, the error "
+    "code of the answer's body and route template.",
+    ["status", "reason", "route"],
+)
+OPS_SUBMITTED = Counter(
+    "treadle_ops_submitted_total",
+    "Operations queued by this API process, by kind (a resubmitted request is not counted again).",
+    ["kind"],
+)
+
+
+def _route(scope: Scope) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else UNMATCHED
+
+
+def _reason(body: bytes) -> str:
+    try:
+        code = json.loads(body).get("code")
+    except (ValueError, AttributeError):
+        return "unknown"
+    return code if isinstance(code, str) else "unknown"
+
+
+class RequestMetrics:
+    """ASGI middleware timing each HTTP request and counting its 402 and 429 answers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # an exception before the answer started is answered 500
+        refusal = bytearray()
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status in (402, 429):
+                refusal.extend(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = _route(scope)
+            REQUEST_SECONDS.labels(route, scope["method"], f"{status // 100}xx").observe(
+                time.perf_counter() - started
+            )
+            if status in (402, 429):
+                REFUSALS.labels(str(status), _reason(bytes(refusal)), route).inc()
+
+
+def new_op_kind(db: OrmSession, submitted: Submitted) -> str | None:
+    """The kind of the op just queued, to count once the submission commits; None for a
+    resubmission. The op is in the session's identity map: no query is made."""
+    if submitted.duplicate:
+        return None
+    op = db.get(Operation, submitted.request_id)
+    return None if op is None else op.kind
+
+
+def count_submitted(kind: str | None) -> None:
+    if kind is not None:
+        OPS_SUBMITTED.labels(kind).inc()
+
+
+router = APIRouter()
+
+
+def check_token(settings: Settings, authorization: str | None) -> None:
+    """Refuse a scrape of the API's port without the metrics token, or any while none is set."""
+    if settings.metrics_token is None:
+        raise NotFound(
+            "metrics are off on this port: set TREADLE_METRICS_TOKEN to serve /metrics here to "
+            "scrapers sending `Authorization: Bearer <token>`, or TREADLE_METRICS_PORT to serve "
+            "them on a separate port"
+        )
+    expected = f"Bearer {settings.metrics_token.get_secret_value()}"
+    if authorization is None or not secrets.compare_digest(
+        authorization.encode(), expected.encode()
+    ):
+        raise AuthenticationFailed(
+            "/metrics needs `Authorization: Bearer <token>` with the server's "
+            "TREADLE_METRICS_TOKEN; send that header"
+        )
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(
+    request: Request, state: State, authorization: Annotated[str | None, Header()] = None
+) -> Response:
+    check_token(state.settings, authorization)
+    registry: CollectorRegistry = request.app.state.metrics
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
