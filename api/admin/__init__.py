@@ -1,0 +1,26 @@
+"""The admin dashboard (`/admin`): usage charts, live sessions and runs, the fleet, and tenants'
+limits and keys, for holders of an admin-scope API key.
+
+`pages` renders the HTML and takes the forms, `api` serves the JSON and CSV the pages draw
+from, `auth` decides who may see either, `cookies` signs the session cookie and derives its
+CSRF token, and `usage` and `overview` read the rows. None of it is in the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import RedirectResponse
+
+from api.admin import api, pages
+from api.admin.auth import LoginRequired
+
+
+def install(app: FastAPI) -> None:
+    """Mount the dashboard's routes, and send a page's visitor without a session to log in."""
+    app.include_router(pages.router)
+    app.include_router(api.router)
+
+    @app.exception_handler(LoginRequired)
+    async def _login(request: Request, _: LoginRequired) -> RedirectResponse:
+        root = str(request.scope.get("root_path", "")).rstrip("/")
+        return RedirectResponse(f"{root}/admin/login", status_code=303, headers=pages.HEADERS)

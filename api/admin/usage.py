@@ -1,0 +1,176 @@
+"""Usage over time across every tenant, for the dashboard's charts and CSV export.
+
+It sums the hourly rollups (`billing.tables.UsageRollup`), never the ledger, so a request costs
+the same however many events an hour held. A rollup row keys tenant, API key, base model and
+kind, which are the groupings offered; day buckets are folded from hours here, in UTC. Tokens
+are the quantities of the token kinds (training, prefill, sampled); checkpoints and storage add
+cost but no tokens. Only the largest `TOP_SERIES` groups of the range are charted one by one;
+the rest are summed as one "other" series, so a chart stays legible with hundreds of tenants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session as OrmSession
+
+from billing.tables import NO_DIMENSION, UsageRollup
+from core.errors import InvalidInput
+from core.tables import ApiKey, Tenant
+
+Group = Literal["tenant", "key", "model", "kind"]
+Bucket = Literal["hour", "day"]
+TOKEN_KINDS = ("training", "sampling_prefill", "sampling_sample")
+TOP_SERIES = 8
+TOP_TENANTS = 10
+OTHER = "other"
+# Bounds the points a chart draws: a month of hours, or a year of days.
+MAX_SPAN = {"hour": timedelta(days=31), "day": timedelta(days=366)}
+
+_COLUMNS = {
+    "tenant": UsageRollup.tenant_id,
+    "key": UsageRollup.api_key_id,
+    "model": UsageRollup.base_model,
+    "kind": UsageRollup.kind,
+}
+_TOKENS = func.sum(case((UsageRollup.kind.in_(TOKEN_KINDS), UsageRollup.quantity), else_=0))
+_COST = func.sum(UsageRollup.amount_micros)
+
+
+@dataclass(frozen=True)
+class Series:
+    """One group's tokens and cost per bucket, aligned with `UsageChart.buckets`."""
+
+    key: str
+    label: str
+    tokens: list[int]
+    cost_micros: list[int]
+
+
+@dataclass(frozen=True)
+class TenantTotal:
+    tenant_id: str
+    name: str
+    tokens: int
+    cost_micros: int
+
+
+@dataclass(frozen=True)
+class UsageChart:
+    start: datetime
+    end: datetime
+    bucket: Bucket
+    group: Group
+    buckets: list[datetime]
+    series: list[Series]
+    top_tenants: list[TenantTotal]
+
+
+def check_range(start: datetime, end: datetime, bucket: Bucket) -> None:
+    if end <= start:
+        raise InvalidInput(f"end {end.isoformat()} is not after start {start.isoformat()}")
+    if end - start > MAX_SPAN[bucket]:
+        raise InvalidInput(
+            f"a {bucket} chart spans at most {MAX_SPAN[bucket].days} days; narrow the range or "
+            "use day buckets"
+        )
+
+
+def _floor(moment: datetime, bucket: Bucket) -> datetime:
+    hour = moment.replace(minute=0, second=0, microsecond=0)
+    return hour.replace(hour=0) if bucket == "day" else hour
+
+
+def _buckets(start: datetime, end: datetime, bucket: Bucket) -> list[datetime]:
+    step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
+    moments, moment = [], _floor(start, bucket)
+    while moment < end:
+        moments.append(moment)
+        moment += step
+    return moments
+
+
+def usage_chart(
+    db: OrmSession, start: datetime, end: datetime, bucket: Bucket, group: Group
+) -> UsageChart:
+    """Tokens and cost of the hours in [start, end) (aware, UTC), per `bucket` and `group`."""
+    check_range(start, end, bucket)
+    column = _COLUMNS[group]
+    rows = db.execute(
+        select(UsageRollup.hour, column, _TOKENS, _COST)
+        .where(UsageRollup.hour >= start, UsageRollup.hour < end)
+        .group_by(UsageRollup.hour, column)
+    ).all()
+    moments = _buckets(start, end, bucket)
+    index = {moment: i for i, moment in enumerate(moments)}
+    cells: dict[str, tuple[list[int], list[int]]] = {}
+    for hour, key, tokens, cost in rows:
+        tokens_by_bucket, cost_by_bucket = cells.setdefault(
+            str(key), ([0] * len(moments), [0] * len(moments))
+        )
+        i = index[_floor(hour, bucket)]
+        tokens_by_bucket[i] += int(tokens or 0)
+        cost_by_bucket[i] += int(cost or 0)
+    ranked = sorted(cells, key=lambda k: (-sum(cells[k][1]), -sum(cells[k][0]), k))
+    shown, folded = ranked[:TOP_SERIES], ranked[TOP_SERIES:]
+    labels = _labels(db, group, shown)
+    series = [Series(k, labels.get(k, k), *cells[k]) for k in shown]
+    if folded:
+        tokens_sum = [sum(cells[k][0][i] for k in folded) for i in range(len(moments))]
+        cost_sum = [sum(cells[k][1][i] for k in folded) for i in range(len(moments))]
+        series.append(Series(OTHER, f"{len(folded)} others", tokens_sum, cost_sum))
+    return UsageChart(
+        start=start,
+        end=end,
+        bucket=bucket,
+        group=group,
+        buckets=moments,
+        series=series,
+        top_tenants=top_tenants(db, start, end),
+    )
+
+
+def top_tenants(db: OrmSession, start: datetime, end: datetime) -> list[TenantTotal]:
+    """The tenants that spent most in [start, end), then used the most tokens."""
+    cost, tokens = _COST.label("cost"), _TOKENS.label("tokens")
+    rows = db.execute(
+        select(UsageRollup.tenant_id, Tenant.name, tokens, cost)
+        .join(Tenant, Tenant.id == UsageRollup.tenant_id)
+        .where(UsageRollup.hour >= start, UsageRollup.hour < end)
+        .group_by(UsageRollup.tenant_id, Tenant.name)
+        .order_by(cost.desc(), tokens.desc(), Tenant.name)
+        .limit(TOP_TENANTS)
+    ).all()
+    return [TenantTotal(tid, name, int(t or 0), int(c or 0)) for tid, name, t, c in rows]
+
+
+def _labels(db: OrmSession, group: Group, keys: list[str]) -> dict[str, str]:
+    """Readable names of tenants and keys (keys: their name and public id)."""
+    if group == "tenant" and keys:
+        return dict(db.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(keys))).all())
+    if group == "key":
+        names = dict(db.execute(select(ApiKey.id, ApiKey.name).where(ApiKey.id.in_(keys))).all())
+        labels = {k: f"{name} ({k})" for k, name in names.items()}
+        return labels | ({NO_DIMENSION: "no API key"} if NO_DIMENSION in keys else {})
+    return {}
+
+
+def parse_moment(text: str, name: str) -> datetime:
+    """A date (`2026-01-31`: its midnight) or an ISO time, in UTC when it names no zone."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput(
+            f"{name} {text[:40]!r} is neither a date nor an ISO time; send one such as "
+            "2026-01-31 or 2026-01-31T12:00:00Z"
+        ) from None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def default_range(now: datetime) -> tuple[datetime, datetime]:
+    """The last seven days, today's included."""
+    end = _floor(now, "day") + timedelta(days=1)
+    return end - timedelta(days=7), end

@@ -1,0 +1,373 @@
+"""The admin dashboard's JSON routes and forms through the app (`/admin`, `/admin/api/*`), on
+SQLite and PostgreSQL: usage seeded into the ledger and its rollups comes back summed per
+bucket and group (and as CSV); who gets in (an admin key's cookie or header) and who does not
+(no cookie, a tenant key, a forged, expired or revoked-key cookie); forms refuse posts without
+the session's CSRF token and change limits and keys through the core functions; no page or
+file refers to another origin. tests/e2e/test_admin_browser.py drives the pages in a browser."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import insert, select
+
+from api.admin import cookies
+from billing.rollups import RolledEvent, add_to_rollups
+from billing.spend import add_spend
+from billing.tables import UsageEvent
+from core.clock import FakeClock
+from core.db import Database
+from core.tables import AuditLog, Tenant
+from scheduler import oplog
+from scheduler.failures import OpFailure
+from tests.builders import TenantKey, tenant_factory
+from tests.scheduling import Rows
+from tests.server import AppFactory
+
+pytestmark = pytest.mark.integration
+
+NOW = datetime(2026, 3, 10, 12, 30, tzinfo=UTC)
+DAY = datetime(2026, 3, 9, tzinfo=UTC)  # the day before NOW: all seeded usage is in it or NOW's
+EXTERNAL = re.compile(r"https?://|[\"'(=]\s*//", re.IGNORECASE)
+
+
+def record(
+    database: Database,
+    key: TenantKey,
+    hour: datetime,
+    *,
+    kind: str = "training",
+    model: str = "m/a",
+    quantity: int,
+    amount_micros: int,
+) -> None:
+    """One priced usage event in the ledger, its rollup and its period's spend, as
+    `billing.ledger.record_usage` writes them (without an operation row behind it)."""
+    with database.transaction() as db:
+        db.execute(
+            insert(UsageEvent),
+            {
+                "tenant_id": key.tenant_id,
+                "api_key_id": key.key_id,
+                "kind": kind,
+                "base_model": model,
+                "quantity": quantity,
+                "cached_quantity": 0,
+                "amount_micros": amount_micros,
+                "hour": hour,
+                "created_at": hour,
+            },
+        )
+        event = RolledEvent(
+            key.tenant_id, hour, key.key_id, None, model, kind, None, quantity, 0, amount_micros
+        )
+        add_to_rollups(db, [event])
+        add_spend(db, key.tenant_id, hour, amount_micros)
+
+
+@dataclass
+class Dashboard:
+    client: TestClient
+    database: Database
+    clock: FakeClock
+    admin: TenantKey
+    acme: TenantKey
+    globex: TenantKey
+
+    def log_in(self, key: str | None = None) -> None:
+        response = self.client.post(
+            "/admin/login", data={"key": key or self.admin.key}, follow_redirects=False
+        )
+        assert response.status_code == 303, response.text
+        assert response.headers["location"] == "/admin/usage"
+
+    def csrf(self, page: str = "/admin/tenants") -> str:
+        html = self.client.get(page).text
+        found = re.search(r'name="csrf" value="([^"]+)"', html)
+        assert found is not None, html
+        return found.group(1)
+
+
+@pytest.fixture
+def dashboard(app_factory: AppFactory, database_url: str) -> Iterator[Dashboard]:
+    clock = FakeClock(NOW)
+    app = app_factory(database_url, clock=clock)
+    state = app.state.treadle
+    make = tenant_factory(state.database, state.settings, clock)
+    admin = make("operators", scope="admin")
+    acme, globex = make("acme"), make("globex")
+    with TestClient(app) as client:
+        yield Dashboard(client, state.database, clock, admin, acme, globex)
+
+
+def _seed(d: Dashboard) -> None:
+    record(d.database, d.acme, DAY.replace(hour=3), quantity=1000, amount_micros=2_000_000)
+    record(d.database, d.acme, DAY.replace(hour=3), kind="sampling_sample", quantity=500,
+           amount_micros=500_000)  # fmt: skip
+    record(d.database, d.acme, DAY.replace(hour=3), kind="checkpoint", quantity=1,
+           amount_micros=100_000)  # fmt: skip
+    record(d.database, d.globex, DAY.replace(hour=7), model="m/b", quantity=4000,
+           amount_micros=1_000_000)  # fmt: skip
+    record(d.database, d.globex, NOW.replace(minute=0), model="m/b", quantity=10,
+           amount_micros=10)  # fmt: skip
+    # Outside the range asked for: never counted.
+    record(d.database, d.acme, DAY - timedelta(days=3), quantity=7, amount_micros=7)
+
+
+def test_usage_sums_the_rollups_per_bucket_and_group(dashboard: Dashboard) -> None:
+    d = dashboard
+    _seed(d)
+    headers = {"X-API-Key": d.admin.key}
+    query = {"start": "2026-03-09", "end": "2026-03-11", "bucket": "day", "group": "tenant"}
+    body = d.client.get("/admin/api/usage", params=query, headers=headers).json()
+    assert body["buckets"] == ["2026-03-09T00:00:00Z", "2026-03-10T00:00:00Z"]
+    series = {s["label"]: s for s in body["series"]}
+    assert series["acme"]["tokens"] == [1500, 0]  # the checkpoint adds cost, not tokens
+    assert series["acme"]["cost_micros"] == [2_600_000, 0]
+    assert series["globex"]["tokens"] == [4000, 10]
+    assert series["globex"]["cost_micros"] == [1_000_000, 10]
+    assert [s["label"] for s in body["series"]] == ["acme", "globex"]  # by cost, largest first
+    top = [(t["name"], t["tokens"], t["cost_micros"], t["cost"]) for t in body["top_tenants"]]
+    assert top == [("acme", 1500, 2_600_000, "$2.60"), ("globex", 4010, 1_000_010, "$1.00001")]
+
+    hourly = d.client.get(
+        "/admin/api/usage", params=query | {"bucket": "hour", "group": "kind"}, headers=headers
+    ).json()
+    assert len(hourly["buckets"]) == 48
+    kinds = {s["key"]: s for s in hourly["series"]}
+    assert set(kinds) == {"training", "sampling_sample", "checkpoint"}
+    assert kinds["training"]["tokens"][3] == 1000 and kinds["training"]["tokens"][7] == 4000
+    assert kinds["training"]["tokens"][36] == 10 and sum(kinds["training"]["tokens"]) == 5010
+    assert kinds["checkpoint"]["cost_micros"][3] == 100_000
+
+    by_key = d.client.get(
+        "/admin/api/usage", params=query | {"group": "key"}, headers=headers
+    ).json()
+    assert {s["label"] for s in by_key["series"]} == {
+        f"test ({d.acme.key_id})",
+        f"test ({d.globex.key_id})",
+    }
+    by_model = d.client.get(
+        "/admin/api/usage", params=query | {"group": "model"}, headers=headers
+    ).json()
+    assert {s["key"]: sum(s["tokens"]) for s in by_model["series"]} == {"m/a": 1000 + 500,
+                                                                         "m/b": 4010}  # fmt: skip
+
+    exported = d.client.get("/admin/api/usage.csv", params=query, headers=headers)
+    assert exported.headers["content-type"].startswith("text/csv")
+    lines = list(csv.DictReader(io.StringIO(exported.text)))
+    assert [(r["bucket_start"][:10], r["label"], r["tokens"], r["cost_micros"]) for r in lines] == [
+        ("2026-03-09", "acme", "1500", "2600000"),
+        ("2026-03-09", "globex", "4000", "1000000"),
+        ("2026-03-10", "globex", "10", "10"),
+    ]
+
+    too_long = d.client.get(
+        "/admin/api/usage",
+        params={"start": "2026-01-01", "end": "2026-03-01", "bucket": "hour"},
+        headers=headers,
+    )
+    assert too_long.status_code == 422 and "use day buckets" in too_long.json()["detail"]
+    bad = d.client.get("/admin/api/usage", params={"start": "yesterday"}, headers=headers)
+    assert bad.status_code == 422 and "2026-01-31" in bad.json()["detail"]
+
+
+def test_only_an_admin_gets_in_and_a_cookie_counts_only_while_valid(
+    dashboard: Dashboard,
+) -> None:
+    d = dashboard
+    routes = ["/admin/api/usage", "/admin/api/tenants", "/admin/api/live", "/admin/api/fleet"]
+    pages = ["/admin/usage", "/admin/live", "/admin/fleet", "/admin/tenants", "/admin/live/tables"]
+    for path in routes:
+        assert d.client.get(path).status_code == 401, path
+        tenant = d.client.get(path, headers={"X-API-Key": d.acme.key})
+        assert tenant.status_code == 403, path
+        assert d.client.get(path, headers={"X-API-Key": d.admin.key}).status_code == 200, path
+    for path in pages:
+        away = d.client.get(path, follow_redirects=False)
+        assert (away.status_code, away.headers["location"]) == (303, "/admin/login"), path
+        assert d.client.get(path, headers={"X-API-Key": d.acme.key}).status_code == 403, path
+
+    refused = d.client.post("/admin/login", data={"key": d.acme.key}, follow_redirects=False)
+    assert refused.status_code == 403 and "admin-scope key" in refused.text
+    assert cookies.COOKIE_NAME not in refused.cookies
+    wrong = d.client.post("/admin/login", data={"key": "tml-000000000000-" + "x" * 40})
+    assert wrong.status_code == 401 and "unknown API key" in wrong.text
+
+    response = d.client.post("/admin/login", data={"key": d.admin.key}, follow_redirects=False)
+    set_cookie = response.headers["set-cookie"]
+    assert "HttpOnly" in set_cookie and "SameSite=strict" in set_cookie
+    assert "Secure" not in set_cookie  # plain http here; see the https test
+    value = d.client.cookies[cookies.COOKIE_NAME]
+    assert d.admin.key not in value and d.admin.key.split("-")[2] not in value
+    for path in routes + pages:
+        assert d.client.get(path).status_code == 200, path
+
+    payload, signature = value.split(".")
+    forged_payload = cookies._b64(cookies._unb64(payload).replace(b"\n", b"\n9", 1))
+    for forged in (f"{forged_payload}.{signature}", f"{payload}.{signature[:-2]}AA", "junk"):
+        d.client.cookies.clear()
+        d.client.cookies.set(cookies.COOKIE_NAME, forged)
+        assert d.client.get("/admin/api/live").status_code == 401
+        assert d.client.get("/admin/live", follow_redirects=False).status_code == 303
+
+    d.client.cookies.clear()
+    d.client.cookies.set(cookies.COOKIE_NAME, value)
+    assert d.client.get("/admin/api/live").status_code == 200
+    d.clock.advance(cookies.SESSION_LIFETIME.total_seconds())
+    assert d.client.get("/admin/api/live").status_code == 401  # expired
+    assert d.client.get("/admin/live", follow_redirects=False).status_code == 303
+
+
+def test_a_revoked_keys_cookie_is_refused_at_once(dashboard: Dashboard) -> None:
+    d = dashboard
+    d.log_in()
+    other = tenant_factory(d.database, d.client.app.state.treadle.settings, d.clock)(
+        "second-operators", scope="admin"
+    )
+    # Revoke the logged-in key through the dashboard itself, as another admin would.
+    headers = {"X-API-Key": other.key}
+    revoke = d.client.post(
+        f"/admin/keys/{d.admin.key_id}/revoke", data={}, headers=headers, follow_redirects=False
+    )
+    assert revoke.status_code == 303, revoke.text
+    assert d.client.get("/admin/api/usage", headers={}).status_code == 401
+    assert d.client.get("/admin/api/usage", headers={"X-API-Key": d.admin.key}).status_code == 401
+
+
+def test_forms_need_the_sessions_csrf_token_and_go_through_core(dashboard: Dashboard) -> None:
+    d = dashboard
+    d.log_in()
+    token = d.csrf()
+    path = f"/admin/tenants/{d.acme.tenant_id}/limits"
+    fields = {"max_concurrent_sessions": "25", "max_lora_rank": "32", "monthly_dollars": "150.5"}
+    for form in (fields, fields | {"csrf": "forged"}, fields | {"csrf": ""}):
+        refused = d.client.post(path, data=form, follow_redirects=False)
+        assert refused.status_code == 403 and "CSRF" in refused.json()["detail"]
+    assert d.client.post(f"/admin/keys/{d.globex.key_id}/revoke", data={}).status_code == 403
+    assert d.client.post("/admin/logout", data={}).status_code == 403
+    with d.database.reader() as db:
+        tenant = db.get(Tenant, d.acme.tenant_id)
+        assert tenant is not None and tenant.max_concurrent_sessions == 10
+
+    changed = d.client.post(path, data=fields | {"csrf": token}, follow_redirects=False)
+    assert changed.status_code == 303, changed.text
+    row = next(
+        t for t in d.client.get("/admin/api/tenants").json()["tenants"] if t["name"] == "acme"
+    )
+    assert row["max_concurrent_sessions"] == 25 and row["max_lora_rank"] == 32
+    assert row["spend_limit_micros"] == 150_500_000
+    with d.database.reader() as db:
+        actors = db.scalars(
+            select(AuditLog.actor).where(AuditLog.action == "tenant.limit_changed")
+        ).all()
+    assert actors and set(actors) == {d.admin.key_id}
+    invalid = d.client.post(path, data=fields | {"csrf": token, "max_lora_rank": "0"})
+    assert invalid.status_code == 422 and "max LoRA rank 0 is outside" in invalid.text
+
+    created = d.client.post(
+        "/admin/keys",
+        data={"csrf": token, "tenant_id": d.globex.tenant_id, "name": "ci", "scope": "tenant"},
+    )
+    assert created.status_code == 200, created.text
+    found = re.search(r'<code id="new-key">(tml-[^<]+)</code>', created.text)
+    assert found is not None
+    new_key = found.group(1)
+    assert d.client.get("/api/v1/usage", headers={"X-API-Key": new_key}).status_code == 200
+    assert new_key not in d.client.get("/admin/tenants").text  # shown once only
+    key_id = new_key.split("-")[1]
+    keys = {k["key_id"]: k for k in d.client.get("/admin/api/tenants").json()["keys"]}
+    assert keys[key_id]["name"] == "ci" and keys[key_id]["revoked_at"] is None
+
+    revoked = d.client.post(
+        f"/admin/keys/{key_id}/revoke", data={"csrf": token}, follow_redirects=False
+    )
+    assert revoked.status_code == 303
+    assert d.client.get("/api/v1/usage", headers={"X-API-Key": new_key}).status_code == 401
+
+    out = d.client.post("/admin/logout", data={"csrf": token}, follow_redirects=False)
+    assert out.status_code == 303 and out.headers["location"] == "/admin/login"
+    assert d.client.get("/admin/api/tenants").status_code == 401
+
+
+def test_the_cookie_is_secure_over_https(app_factory: AppFactory, sqlite_url: str) -> None:
+    app = app_factory(sqlite_url)
+    state = app.state.treadle
+    admin = tenant_factory(state.database, state.settings)("ops", scope="admin")
+    with TestClient(app, base_url="https://testserver") as client:
+        response = client.post("/admin/login", data={"key": admin.key}, follow_redirects=False)
+    assert response.status_code == 303
+    assert "Secure" in response.headers["set-cookie"]
+
+
+def test_live_and_fleet_show_sessions_runs_failures_and_workers(dashboard: Dashboard) -> None:
+    d = dashboard
+    rows = Rows(d.database, d.clock)
+    rows.worker("w-live", ["m/a"], lease_seconds=600)
+    rows.worker("w-gone", ["m/a"], dead=True)
+    run = rows.run(d.acme.tenant_id, base_model="m/a")
+    failing = rows.run(d.globex.tenant_id, base_model="m/a")
+    with d.database.transaction() as db:
+        op = rows.ops(failing)[0]
+        loaded = db.merge(op)
+        oplog.fail_now(loaded, OpFailure.user("rank too large for this model"), d.clock.now())
+    d.clock.advance(90)
+    headers = {"X-API-Key": d.admin.key}
+
+    live = d.client.get("/admin/api/live", headers=headers).json()
+    assert {s["tenant_name"] for s in live["sessions"]} == {"acme", "globex"}
+    assert run in [r["run_id"] for r in live["runs"]]
+    [failed] = live["failed"]
+    assert failed["op_id"] == op.id and failed["error_code"] == "invalid_input"
+    assert failed["tenant_name"] == "globex" and "rank too large" in failed["error_message"]
+    assert run in {s["target_id"] for s in live["stuck"]}  # queued 90 s: over the minute
+
+    fleet = d.client.get("/admin/api/fleet", headers=headers).json()
+    workers = {w["worker_id"]: w for w in fleet["workers"]}
+    assert workers["w-live"]["status"] == "live" and workers["w-live"]["runs_placed"] == 0
+    assert workers["w-gone"]["status"] == "dead"
+    assert [(g["worker_id"], g["status"]) for g in fleet["departures"]] == [("w-gone", "dead")]
+
+    d.log_in()
+    tables = d.client.get("/admin/live/tables").text
+    assert op.id in tables and "invalid_input" in tables and "rank too large" in tables
+    assert "w-gone" in d.client.get("/admin/fleet").text
+
+
+def test_pages_and_files_refer_to_no_other_origin(dashboard: Dashboard) -> None:
+    d = dashboard
+    d.log_in()
+    seen: set[str] = set()
+    for page in ("/admin/login", "/admin/usage", "/admin/live", "/admin/fleet", "/admin/tenants"):
+        response = d.client.get(page)
+        assert response.status_code == 200, page
+        policy = response.headers["content-security-policy"]
+        assert "default-src 'self'" in policy and "unsafe" not in policy
+        assert response.headers["x-frame-options"] == "DENY"
+        html = response.text
+        assert not EXTERNAL.search(html), (page, EXTERNAL.search(html))
+        assert re.search(r"<script\b[^>]*>[^<]+</script>|\son[a-z]+\s*=|<style", html) is None
+        seen.update(re.findall(r"""(?:src|href)\s*=\s*["'](/admin/static/[^"']+)["']""", html))
+    assert seen == {
+        "/admin/static/admin.css",
+        "/admin/static/admin.js",
+        "/admin/static/vendor/htmx.min.js",
+        "/admin/static/vendor/chart.umd.min.js",
+    }
+    for path in seen:
+        text = d.client.get(path).text
+        # Licence banners (`/*! ... */`) name their projects' sites; nothing else may.
+        code = re.sub(r"/\*!.*?\*/", "", text, flags=re.DOTALL)
+        assert not re.search(r"https?://", code), (path, re.search(r".{40}https?://.{40}", code))
+
+
+def test_the_dashboard_stays_out_of_the_openapi_document(dashboard: Dashboard) -> None:
+    paths = dashboard.client.get("/openapi.json").json()["paths"]
+    assert not [p for p in paths if p.startswith("/admin")]
