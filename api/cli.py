@@ -65,7 +65,8 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
 ) -> None:
-    """Run Treadle in embedded mode: one process, no configuration needed."""
+    """Run Treadle in embedded mode: one process, no configuration needed. The engine runs on
+    TREADLE_DEVICE (auto: the first GPU, else the CPU) and serves TREADLE_MODELS."""
     import uvicorn
 
     from api.app import create_app
@@ -193,10 +194,16 @@ def api(
 @app.command()
 def worker(
     device: Annotated[
-        str | None, typer.Option(help="cuda:N or cpu (default: TREADLE_DEVICE, else auto).")
+        str | None,
+        typer.Option(
+            help="cuda:N, cuda or cpu (default: TREADLE_DEVICE; auto: the first GPU, else CPU)."
+        ),
     ] = None,
     models: Annotated[
-        list[str] | None, typer.Option("--models", help="Base models to serve (repeat).")
+        list[str] | None,
+        typer.Option(
+            "--models", help="A base model to serve; repeat for more (default: TREADLE_MODELS)."
+        ),
     ] = None,
     worker_id: Annotated[
         str | None, typer.Option(help="Stable id; default host-device-random.")
@@ -384,8 +391,8 @@ def tenants_create(
 @tenants_cli.command("update")
 def tenants_update(
     name: str,
-    max_sessions: Annotated[int | None, typer.Option()] = None,
-    max_lora_rank: Annotated[int | None, typer.Option()] = None,
+    max_sessions: Annotated[int | None, typer.Option(help="Concurrent sessions allowed.")] = None,
+    max_lora_rank: Annotated[int | None, typer.Option(help="Largest LoRA rank allowed.")] = None,
     spend_limit: Annotated[
         float | None,
         typer.Option(help="Monthly spend limit in dollars (also: tenants set-limit)."),
