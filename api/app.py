@@ -120,9 +120,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
             if isinstance(notifier, RedisNotifier):
                 notifier.stop()
             state.readiness.close()
-            if metrics_port is not None:
-                metrics_port.shutdown()
-                metrics_port.server_close()
+            scheduler_metrics.stop_port(metrics_port)
             database.dispose()
 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)

@@ -232,7 +232,7 @@ def run_beat(
     database = Database(settings.resolved_database_url)
     unplaced = UnplacedTargets()
     stop = stop or threading.Event()
-    metrics.serve_port(settings, metrics.beat_registry(database, clock))
+    metrics_port = metrics.serve_port(settings, metrics.beat_registry(database, clock))
     log.info("beat running every %.1f s", interval_seconds)
     # Alive from the start: the first tick runs every periodic job at once and may be long.
     liveness.touch(settings.liveness_file)
@@ -253,4 +253,5 @@ def run_beat(
             ticks = failed = 0
             since = time.monotonic()
         if stop.wait(max(0.0, interval_seconds - (time.monotonic() - started))):
+            metrics.stop_port(metrics_port)
             return

@@ -182,3 +182,10 @@ def serve_port(settings: Settings, registry: CollectorRegistry = REGISTRY) -> WS
     )
     log.info("metrics served on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
     return server
+
+
+def stop_port(server: WSGIServer | None) -> None:
+    """Stop serving a metrics port `serve_port` started, and free the port."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,309 @@
+"""Prometheus metrics, scraped for real: `/metrics` behind its token, the counts an SFT and
+sampling loop leaves equal to the op log's and the ledger's rows, the metrics port of the API
+and of beat (the fleet's gauges and failovers), and the Grafana dashboard's queries naming only
+metrics that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import func, select
+
+import treadle
+from billing.tables import UsageEvent
+from core.tables import Operation
+from scheduler.beat import run_beat
+from scheduler.metrics import TOKEN_KINDS
+from tests.builders import make_settings, tenant_factory
+from tests.e2e.treadle_data import MODEL, sft_datum
+from tests.scheduling import Rows, migrated
+from tests.server import AppFactory, LiveServer, start_server
+from tests.services import free_port
+from treadle import types
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "metrics-token-0123456789"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+DASHBOARD = Path(__file__).resolve().parents[2] / "infra" / "grafana" / "treadle.json"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def _parse(text: str) -> Samples:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def _scrape(url: str, headers: dict[str, str] | None = None) -> Samples:
+    response = httpx.get(url, headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    return _parse(response.text)
+
+
+def _by(samples: Samples, name: str, *labels: str) -> Counter[tuple[str, ...]]:
+    """The samples named `name`, summed by the values of `labels`."""
+    sums: Counter[tuple[str, ...]] = Counter()
+    for (sample, labelset), value in samples.items():
+        if sample == name:
+            values = dict(labelset)
+            sums[tuple(values.get(label, "") for label in labels)] += int(value)
+    return sums
+
+
+def _delta(before: Samples, after: Samples, name: str, *labels: str) -> dict[tuple[str, ...], int]:
+    grown = _by(after, name, *labels)
+    grown.subtract(_by(before, name, *labels))
+    return {key: value for key, value in grown.items() if value}
+
+
+def _eventually(check: Callable[[], bool]) -> None:
+    """Wait for `check`: an op's result is readable as its transaction commits, and counted
+    just after."""
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline, "the metrics never caught up with the database"
+        time.sleep(0.05)
+
+
+# --- protection ---------------------------------------------------------------------------------
+
+
+def test_metrics_are_off_on_the_api_port_without_a_token(app_factory: AppFactory) -> None:
+    with TestClient(app_factory()) as client:
+        response = client.get("/metrics", headers=BEARER)
+    assert response.status_code == 404
+    assert "TREADLE_METRICS_TOKEN" in response.json()["detail"]
+    assert "TREADLE_METRICS_PORT" in response.json()["detail"]
+
+
+def test_metrics_need_the_bearer_token(app_factory: AppFactory) -> None:
+    with TestClient(app_factory(metrics_token=TOKEN)) as client:
+        assert client.get("/metrics").status_code == 401
+        wrong = client.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}x"})
+        assert wrong.status_code == 401
+        assert "TREADLE_METRICS_TOKEN" in wrong.json()["detail"]
+        assert client.get("/metrics", headers={"Authorization": TOKEN}).status_code == 401
+        response = client.get("/metrics", headers=BEARER)
+        schema = client.get("/openapi.json").json()
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = _parse(response.text)
+    # The embedded server exports the fleet's gauges; the route is not in the API's schema.
+    assert samples[("treadle_fleet_up", frozenset())] == 1
+    assert ("treadle_active_sessions", frozenset()) in samples
+    assert "/metrics" not in schema["paths"]
+
+
+def test_the_metrics_port_serves_without_a_token(app_factory: AppFactory) -> None:
+    port = free_port()
+    with TestClient(app_factory(metrics_port=port)) as client:
+        samples = _scrape(f"http://127.0.0.1:{port}/metrics")
+        assert client.get("/metrics").status_code == 404  # the API's own port stays closed
+    assert samples[("treadle_fleet_up", frozenset())] == 1
+    with pytest.raises(httpx.ConnectError):  # stopped with the app
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_rate_limited_answers_are_counted_by_reason_and_route(app_factory: AppFactory) -> None:
+    app = app_factory(metrics_token=TOKEN, telemetry_per_minute=1)
+    with TestClient(app) as client:
+        key = tenant_factory(app.state.treadle.database, app.state.treadle.settings)().key
+        before = _parse(client.get("/metrics", headers=BEARER).text)
+        answers = [
+            client.post("/api/v1/telemetry", json={"events": []}, headers={"X-API-Key": key})
+            for _ in range(3)
+        ]
+        after = _parse(client.get("/metrics", headers=BEARER).text)
+    assert [a.status_code for a in answers].count(429) == 2
+    assert _delta(before, after, "treadle_http_refusals_total", "status", "reason", "route") == {
+        ("429", "rate_limited", "/api/v1/telemetry"): 2
+    }
+    assert _delta(
+        before, after, "treadle_http_request_duration_seconds_count", "route", "status_class"
+    ) == {("/api/v1/telemetry", "2xx"): 1, ("/api/v1/telemetry", "4xx"): 2, ("/metrics", "2xx"): 1}
+
+
+# --- a scripted loop ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    yield from start_server(tmp_path_factory.mktemp("metrics"), metrics_token=TOKEN)
+
+
+def _scripted_loop(service: treadle.ServiceClient) -> None:
+    """Two SFT steps, a request the engine refuses, a save for sampling and two samples."""
+    trainer = service.create_lora_training_client(MODEL, rank=4, seed=1)
+    for step in range(2):
+        batch = [sft_datum(step * 2 + i, length=8 + i) for i in range(2)]
+        trainer.forward_backward(batch, "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    broken = types.Datum(
+        model_input=types.ModelInput.from_ints([10, 11, 12]),
+        loss_fn_inputs={"target_tokens": types.TensorData.from_list([11, 12, 13], "int64")},
+    )
+    assert trainer.forward_backward([broken], "cross_entropy").exception(timeout=120)
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([30, 31, 32, 33])
+    for seed in (1, 2):
+        sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5, seed=seed)).result()
+
+
+def _ops(server: LiveServer) -> tuple[Counter[tuple[str, ...]], Counter[tuple[str, ...]]]:
+    """The op log's ops by kind, and by (kind, outcome, category) as the metrics count them."""
+    with server.database.reader() as db:
+        rows = db.execute(select(Operation.kind, Operation.status, Operation.error_category)).all()
+    by_kind = Counter((kind,) for kind, _, _ in rows)
+    outcomes = Counter((kind, status, category or "") for kind, status, category in rows)
+    return by_kind, outcomes
+
+
+def _tokens(server: LiveServer) -> dict[tuple[str, ...], int]:
+    with server.database.reader() as db:
+        rows = db.execute(
+            select(UsageEvent.kind, func.sum(UsageEvent.quantity))
+            .where(UsageEvent.kind.in_(TOKEN_KINDS))
+            .group_by(UsageEvent.kind)
+        ).all()
+    return {(kind,): int(total) for kind, total in rows}
+
+
+@pytest.fixture(scope="module")
+def loop(server: LiveServer) -> tuple[Samples, Samples]:
+    """The server's metrics before and after the scripted loop (the session still open)."""
+    url = f"{server.base_url}/metrics"
+    before = _scrape(url, BEARER)
+    key = server.make_tenant().key
+    with treadle.ServiceClient(base_url=server.base_url, api_key=key) as service:
+        _scripted_loop(service)
+        _, outcomes = _ops(server)
+
+        def counted() -> bool:
+            after = _scrape(url, BEARER)
+            finished = _delta(before, after, "treadle_ops_finished_total", "kind", "outcome")
+            return sum(finished.values()) == sum(outcomes.values())
+
+        _eventually(counted)
+        after = _scrape(url, BEARER)
+    return before, after
+
+
+def test_op_counts_equal_the_op_log(server: LiveServer, loop: tuple[Samples, Samples]) -> None:
+    before, after = loop
+    by_kind, outcomes = _ops(server)
+    assert ("forward_backward", "failed", "user") in outcomes
+    finished = _delta(before, after, "treadle_ops_finished_total", "kind", "outcome", "category")
+    assert finished == dict(outcomes)
+    assert _delta(before, after, "treadle_ops_submitted_total", "kind") == dict(by_kind)
+    for histogram in ("queue_wait", "execution", "end_to_end"):
+        name = f"treadle_op_{histogram}_seconds_count"
+        assert _delta(before, after, name, "kind") == dict(by_kind), histogram
+
+
+def test_token_counts_equal_the_ledger(server: LiveServer, loop: tuple[Samples, Samples]) -> None:
+    before, after = loop
+    tokens = _delta(before, after, "treadle_tokens_total", "kind")
+    assert set(tokens) == {("training",), ("sampling_prefill",), ("sampling_sample",)}
+    assert tokens == _tokens(server)
+
+
+def test_requests_are_labelled_by_route_template(
+    server: LiveServer, loop: tuple[Samples, Samples]
+) -> None:
+    _, after = loop
+    # The loop's routes are all in the API's schema, which names them by template.
+    templates = set(server.app.openapi()["paths"]) | {"/metrics"}
+    routes = set(_by(after, "treadle_http_request_duration_seconds_count", "route"))
+    assert {("/api/v1/forward_backward",), ("/api/v1/retrieve_future",)} <= routes
+    assert {route for (route,) in routes} <= templates | {"<unmatched>"}
+
+
+def test_fleet_gauges_show_the_open_session(loop: tuple[Samples, Samples]) -> None:
+    _, after = loop
+    assert after[("treadle_fleet_up", frozenset())] == 1
+    assert after[("treadle_active_sessions", frozenset())] >= 1
+    assert after[("treadle_live_training_runs", frozenset())] >= 1
+    assert after[("treadle_unplaced_queued_ops", frozenset())] == 0
+
+
+def test_the_dashboard_queries_only_exported_metrics(loop: tuple[Samples, Samples]) -> None:
+    _, after = loop
+    exported = {name for name, _ in after}
+    # Beat's own counter is exported by beat alone (test_beat_serves_the_fleet_and_failovers).
+    exported.add("treadle_worker_failovers_total")
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [
+        target["expr"]
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        if "expr" in target
+    ]
+    assert len(exprs) >= 10
+    names = {name for expr in exprs for name in re.findall(r"treadle_[a-z_]+", expr)}
+    missing = {
+        name
+        for name in names
+        if not any(name + suffix in exported for suffix in ("", "_bucket", "_sum", "_count"))
+    }
+    assert not missing, f"the dashboard queries metrics nothing exports: {sorted(missing)}"
+
+
+# --- beat ---------------------------------------------------------------------------------------
+
+
+def test_beat_serves_the_fleet_and_failovers(tmp_path: Path, sqlite_url: str) -> None:
+    rows = Rows(migrated(sqlite_url))
+    # Workers serving another model: the run's queued op stays unplaced, so no wake-up needs
+    # Redis; one worker's lease lapses once the clock moves.
+    rows.worker("w-staying", ["other/model"], lease_seconds=3600)
+    rows.worker("w-lapsing", ["other/model"], lease_seconds=5)
+    rows.run(rows.tenant())
+    port = free_port()
+    settings = make_settings(tmp_path, sqlite_url, metrics_port=port)
+    url = f"http://127.0.0.1:{port}/metrics"
+    stop = threading.Event()
+    beat = threading.Thread(
+        target=run_beat,
+        args=(settings, rows.clock),
+        kwargs={"interval_seconds": 0.05, "stop": stop},
+    )
+    beat.start()
+    try:
+        _eventually(lambda: _reachable(url))
+        first = _scrape(url)
+        assert _by(first, "treadle_workers", "status")[("live",)] == 2
+        assert first[("treadle_unplaced_queued_ops", frozenset())] == 1
+        lease = _by(first, "treadle_worker_lease_expires_in_seconds", "worker")
+        assert set(lease) == {("w-staying",), ("w-lapsing",)}
+        rows.clock.advance(10)
+        _eventually(lambda: _by(_scrape(url), "treadle_workers", "status")[("dead",)] == 1)
+        last = _scrape(url)
+    finally:
+        stop.set()
+        beat.join(timeout=60)
+    assert not beat.is_alive()
+    assert _delta(first, last, "treadle_worker_failovers_total") == {(): 1}
+    # A dead worker with nothing queued on it has no series of its own.
+    assert set(_by(last, "treadle_worker_adapter_bytes", "worker")) == {("w-staying",)}
+    assert not _reachable(url)  # beat stopped serving as it returned
+
+
+def _reachable(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
