@@ -38,7 +38,11 @@ SERVICE_SUBCOMMANDS = {"api", "worker", "beat", "migrate"}
 TEST_ENV = {
     "POSTGRES_PASSWORD": "test0123",
     "TREADLE_SERVER_SECRET": "compose-config-check-0123456789",
+    "TREADLE_METRICS_TOKEN": "compose-metrics-check-0123456789",
+    "GRAFANA_ADMIN_PASSWORD": "grafana-check",
 }
+PROMETHEUS_CONFIG = INFRA / "prometheus" / "prometheus.yml"
+GRAFANA = INFRA / "grafana"
 
 
 # --- the CLI the deployment files call -----------------------------------------------------
@@ -391,6 +395,11 @@ def test_compose_bakes_in_no_secret() -> None:
         line.split("=", 1) for line in example.splitlines() if line and not line.startswith("#")
     )
     assert values.get("TREADLE_SERVER_SECRET") == "" and values.get("POSTGRES_PASSWORD") == ""
+    assert values.get("TREADLE_METRICS_TOKEN") == "" and values.get("GRAFANA_ADMIN_PASSWORD") == ""
+    grafana_env = compose()["services"]["grafana"]["environment"]
+    assert re.fullmatch(
+        r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]*\}", grafana_env["GF_SECURITY_ADMIN_PASSWORD"]
+    )
 
 
 def duration_seconds(text: str) -> float:
@@ -458,6 +467,75 @@ def test_compose_workers_read_model_folders_from_a_read_only_volume() -> None:
         assert all(path.startswith("/models/") for path in folders.values()), name
 
 
+@cache
+def prometheus_jobs() -> dict[str, dict[str, Any]]:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    return {job["job_name"]: job for job in config["scrape_configs"]}
+
+
+def job_targets(job: dict[str, Any]) -> set[str]:
+    return {target for group in job["static_configs"] for target in group["targets"]}
+
+
+def test_prometheus_scrapes_every_treadle_process() -> None:
+    jobs = prometheus_jobs()
+    api = jobs["treadle-api"]
+    assert api["metrics_path"] == "/metrics"
+    assert job_targets(api) == {f"{name}:8000" for name in by_subcommand("api")}
+    for kind in ("worker", "beat"):
+        expected = set()
+        for name, service in by_subcommand(kind).items():
+            env = service["environment"]
+            # Served on the compose network: bound to every interface of the container.
+            assert env["TREADLE_METRICS_HOST"] == "0.0.0.0", name
+            expected.add(f"{name}:{env['TREADLE_METRICS_PORT']}")
+        assert job_targets(jobs[f"treadle-{kind}"]) == expected, kind
+    for name, service in by_subcommand("api").items():
+        assert "TREADLE_METRICS_PORT" not in service["environment"], f"{name}: token, not port"
+        assert "TREADLE_METRICS_TOKEN" in service["environment"], name
+
+
+def test_compose_prometheus_sends_the_metrics_token_from_the_env_file() -> None:
+    service = compose()["services"]["prometheus"]
+    token_file = prometheus_jobs()["treadle-api"]["authorization"]["credentials_file"]
+    (script,) = service["command"]
+    # `$$` is compose's escape: the shell reads the container's variable, set from infra/.env.
+    assert f'"$$TREADLE_METRICS_TOKEN" > {token_file}' in script
+    assert re.search(
+        r"\$\{TREADLE_METRICS_TOKEN:\?[^}]*\}", service["environment"]["TREADLE_METRICS_TOKEN"]
+    )
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in service["volumes"]}
+    config = (COMPOSE.parent / mounts["/etc/prometheus/prometheus.yml"]).resolve()
+    assert config == PROMETHEUS_CONFIG
+    assert "--config.file=/etc/prometheus/prometheus.yml" in script
+    # Published on the host's loopback alone: its data names every worker and route.
+    assert all(str(port).startswith("127.0.0.1:") for port in service["ports"])
+
+
+def test_compose_grafana_provisions_the_dashboard_over_prometheus() -> None:
+    service = compose()["services"]["grafana"]
+    mounts = {
+        m.split(":")[1]: (COMPOSE.parent / m.split(":")[0]).resolve() for m in service["volumes"]
+    }
+    assert mounts["/etc/grafana/provisioning"] == GRAFANA / "provisioning"
+    (provider,) = yaml.safe_load(
+        (GRAFANA / "provisioning" / "dashboards" / "treadle.yml").read_text()
+    )["providers"]
+    folder = provider["options"]["path"]
+    assert mounts[f"{folder}/treadle.json"] == GRAFANA / "treadle.json"
+    (source,) = yaml.safe_load(
+        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"]
+    assert source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    dashboard = json.loads((GRAFANA / "treadle.json").read_text())
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == source["uid"], panel["title"]
+
+
 def compose_cli() -> list[str] | None:
     if shutil.which("docker"):
         probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=60)
@@ -495,10 +573,19 @@ def test_compose_config_validates(tmp_path: Path) -> None:
     assert TEST_ENV["TREADLE_SERVER_SECRET"] in json.dumps(rendered["services"])
 
 
-def test_compose_config_refuses_to_run_without_the_server_secret(tmp_path: Path) -> None:
-    result = run_compose_config(tmp_path, {"POSTGRES_PASSWORD": "test0123"})
+@pytest.mark.parametrize(
+    "secret", ["TREADLE_SERVER_SECRET", "TREADLE_METRICS_TOKEN", "GRAFANA_ADMIN_PASSWORD"]
+)
+@pytest.mark.parametrize("value", [None, ""])
+def test_compose_config_refuses_to_run_without_a_secret(
+    tmp_path: Path, secret: str, value: str | None
+) -> None:
+    env = {k: v for k, v in TEST_ENV.items() if k != secret}
+    if value is not None:
+        env[secret] = value
+    result = run_compose_config(tmp_path, env)
     assert result.returncode != 0
-    assert "TREADLE_SERVER_SECRET" in result.stderr
+    assert secret in result.stderr
 
 
 # --- Helm chart ----------------------------------------------------------------------------
