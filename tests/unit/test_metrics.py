@@ -1,0 +1,112 @@
+"""The scheduler's metrics without a server: what is counted of a recorded op, the fleet gauges
+when the database does not answer, the metrics port a worker serves, and the settings."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from billing.ledger import UsageLine
+from core.clock import FakeClock
+from core.db import Database
+from core.settings import Settings
+from core.tables import Operation, OpStatus
+from scheduler import metrics
+from scheduler.fleet_gauges import FleetGauges
+from tests.services import free_port
+
+pytestmark = pytest.mark.unit
+
+CREATED = datetime(2026, 1, 1, 12, 0, 0)
+
+
+def _op(status: OpStatus, category: str | None = None, started: float | None = 2.0) -> Operation:
+    return Operation(
+        kind="forward_backward",
+        status=status.value,
+        error_category=category,
+        created_at=CREATED,
+        started_at=None if started is None else CREATED + timedelta(seconds=started),
+        finished_at=CREATED + timedelta(seconds=5),
+    )
+
+
+def _value(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_a_done_op_counts_its_token_kinds_only() -> None:
+    usage = [
+        UsageLine("training", 40),
+        UsageLine("checkpoint", 1),
+        UsageLine("sampling_prefill", 0),
+    ]
+    recorded = metrics.RecordedOp.of(_op(OpStatus.DONE), usage)
+    assert recorded.failed_category is None
+    assert recorded.tokens == (("training", 40),)
+    before = _value("treadle_tokens_total", kind="training")
+    waits = _value("treadle_op_queue_wait_seconds_sum", kind="forward_backward")
+    metrics.observe_recorded(recorded)
+    assert _value("treadle_tokens_total", kind="training") == before + 40
+    assert _value("treadle_op_queue_wait_seconds_sum", kind="forward_backward") == waits + 2
+
+
+def test_a_failure_without_a_category_counts_as_the_servers() -> None:
+    assert metrics.RecordedOp.of(_op(OpStatus.FAILED), []).failed_category == "server"
+    user = metrics.RecordedOp.of(_op(OpStatus.FAILED, "user"), [])
+    before = _value(
+        "treadle_ops_finished_total", kind="forward_backward", outcome="failed", category="user"
+    )
+    metrics.observe_recorded(user)
+    after = _value(
+        "treadle_ops_finished_total", kind="forward_backward", outcome="failed", category="user"
+    )
+    assert after == before + 1
+
+
+def test_clock_skew_never_makes_a_negative_duration() -> None:
+    # Started "before" it was submitted: the API's clock ran ahead of the worker's.
+    skewed = metrics.RecordedOp.of(_op(OpStatus.DONE, started=-3.0), [])
+    waits = _value("treadle_op_queue_wait_seconds_sum", kind="forward_backward")
+    immediate = _value("treadle_op_queue_wait_seconds_bucket", kind="forward_backward", le="0.005")
+    metrics.observe_recorded(skewed)
+    assert _value("treadle_op_queue_wait_seconds_sum", kind="forward_backward") == waits
+    assert (
+        _value("treadle_op_queue_wait_seconds_bucket", kind="forward_backward", le="0.005")
+        == immediate + 1
+    )
+
+
+def test_fleet_gauges_report_a_database_that_does_not_answer() -> None:
+    database = Database(f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none")
+    families = list(FleetGauges(database, FakeClock()).collect())
+    assert [(f.name, [s.value for s in f.samples]) for f in families] == [("treadle_fleet_up", [0])]
+
+
+def test_a_worker_serves_its_metrics_on_the_metrics_port() -> None:
+    assert metrics.serve_port(Settings(metrics_port=None)) is None
+    port = free_port()
+    server = metrics.serve_port(Settings(metrics_port=port))
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        metrics.stop_port(server)
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert {"treadle_ops_finished", "treadle_tokens", "treadle_op_queue_wait_seconds"} <= names
+    # Beat's failover count and the fleet's gauges are beat's alone.
+    assert "treadle_worker_failovers" not in names and "treadle_fleet_up" not in names
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_metrics_token_settings() -> None:
+    assert Settings(metrics_token="").metrics_token is None
+    assert Settings(metrics_token="  ").metrics_token is None
+    with pytest.raises(ValidationError, match="TREADLE_METRICS_TOKEN is too short"):
+        Settings(metrics_token="short")
+    assert Settings().metrics_host == "127.0.0.1" and Settings().metrics_port is None
