@@ -43,6 +43,7 @@ _STATIC = _HERE / "static"
 _ASSETS = {
     "admin.js": "text/javascript; charset=utf-8",
     "admin.css": "text/css; charset=utf-8",
+    "admin.png": "image/png",
     "vendor/htmx.min.js": "text/javascript; charset=utf-8",
     "vendor/chart.umd.min.js": "text/javascript; charset=utf-8",
 }
