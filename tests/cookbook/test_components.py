@@ -1,0 +1,181 @@
+"""Unit tests of the cookbook's components: no server, each in milliseconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field
+
+from treadle_cookbook import checkpoints, metrics
+from treadle_cookbook.config import RecipeConfig
+
+pytestmark = pytest.mark.unit
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+class Schedule(BaseModel):
+    warmup_steps: int = 0
+    kind: str = "constant"
+
+
+class ExampleConfig(RecipeConfig):
+    model: str = "treadle/tiny-1m"
+    log_dir: Path = Path("/tmp/example")
+    learning_rate: float = 1e-4
+    schedule: Schedule = Schedule()
+    layers: list[int] = Field(default_factory=lambda: [1])
+
+
+def test_cli_overrides_are_converted_and_nested() -> None:
+    config = ExampleConfig.from_cli(
+        ["--learning_rate", "0.01", "--schedule.warmup_steps=5", "--seed", "3", "--layers=[2, 3]"]
+    )
+    assert config.learning_rate == 0.01
+    assert config.schedule == Schedule(warmup_steps=5)
+    assert config.seed == 3
+    assert config.layers == [2, 3]
+
+
+def test_base_url_and_api_key_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TREADLE_BASE_URL", "http://example:9000")
+    monkeypatch.setenv("TREADLE_API_KEY", "tml-test")
+    config = ExampleConfig.from_cli([])
+    assert (config.base_url, config.api_key) == ("http://example:9000", "tml-test")
+    monkeypatch.delenv("TREADLE_BASE_URL")
+    assert ExampleConfig.from_cli([]).base_url == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learning_rate", "fast"], "--learning_rate: Input should be a valid number"),
+        (["--lerning_rate", "0.1"], "--lerning_rate: Extra inputs are not permitted"),
+        (["--seed"], "--seed needs a value"),
+        (["seed", "1"], "unexpected argument 'seed'"),
+    ],
+)
+def test_bad_arguments_name_what_to_fix(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as raised:
+        ExampleConfig.from_cli(argv)
+    assert message in str(raised.value.code)
+
+
+def test_required_fields_are_reported() -> None:
+    with pytest.raises(SystemExit) as raised:
+        RecipeConfig.from_cli(["--model", "m"])
+    assert "--log_dir: Field required" in str(raised.value.code)
+
+
+def test_help_lists_the_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as raised:
+        ExampleConfig.from_cli(["--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    for field in ("--learning_rate", "--schedule", "--model", "--log_dir", "--mlflow_uri"):
+        assert field in out
+
+
+def test_save_writes_config_json_without_the_key(tmp_path: Path) -> None:
+    config = ExampleConfig.from_cli(["--api_key", "secret", "--seed", "7"])
+    path = config.save(tmp_path / "run")
+    saved = json.loads(path.read_text())
+    assert path.name == "config.json"
+    assert saved["seed"] == 7 and saved["schedule"]["warmup_steps"] == 0
+    assert "api_key" not in saved
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+def test_metrics_are_appended_as_json_lines_and_read_back(tmp_path: Path) -> None:
+    log = metrics.MetricsLog(tmp_path)
+    log.log(0, {"loss": 2.0})
+    log.log(1, {"loss": 1.5, "lr": 0.1})
+    log.close()
+    again = metrics.MetricsLog(tmp_path)
+    again.log(2, {"loss": 1.0})
+    again.close()
+    assert metrics.read(tmp_path) == [
+        {"step": 0, "loss": 2.0},
+        {"step": 1, "loss": 1.5, "lr": 0.1},
+        {"step": 2, "loss": 1.0},
+    ]
+    assert metrics.read(tmp_path / "missing") == []
+
+
+def test_plot_writes_a_png_and_refuses_unknown_keys(tmp_path: Path) -> None:
+    log = metrics.MetricsLog(tmp_path)
+    for step in range(3):
+        log.log(step, {"loss": 3.0 - step})
+    path = log.plot(["loss", "absent"], "loss")
+    assert path == tmp_path / "loss.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no values logged for \\['absent'\\]"):
+        log.plot(["absent"], "nothing")
+    log.close()
+
+
+def test_mlflow_receives_the_metrics(tmp_path: Path) -> None:
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is an optional extra, not installed")
+    uri = (tmp_path / "mlruns").as_uri()
+    log = metrics.MetricsLog(tmp_path / "run", mlflow_uri=uri)
+    log.log(0, {"loss": 2.0})
+    log.log(1, {"loss": 1.0})
+    log.close()
+    mlflow.set_tracking_uri(uri)
+    run = mlflow.search_runs(search_all_experiments=True, output_format="list")[0]
+    history = mlflow.MlflowClient(uri).get_metric_history(run.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(0, 2.0), (1, 1.0)]
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+class FakeTrainingClient:
+    """Records save_state names and answers with the path a server would."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+
+    def save_state(self, name: str) -> Any:
+        path = f"tinker://{self.run}/weights/{name}"
+        return SimpleNamespace(result=lambda: SimpleNamespace(path=path))
+
+
+class FakeServiceClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> str:
+        self.calls.append(("resume", path))
+        return "resumed-client"
+
+    def create_lora_training_client(self, model: str, *, rank: int, seed: int) -> str:
+        self.calls.append(("new", (model, rank, seed)))
+        return "new-client"
+
+
+def test_checkpoints_are_listed_and_the_latest_resumed(tmp_path: Path) -> None:
+    config = ExampleConfig(log_dir=tmp_path, lora_rank=4, seed=2)
+    service = FakeServiceClient()
+    assert checkpoints.latest(tmp_path) is None
+    assert checkpoints.resume(service, tmp_path, config) == ("new-client", 0)  # type: ignore[arg-type]
+    assert service.calls == [("new", ("treadle/tiny-1m", 4, 2))]
+
+    client = FakeTrainingClient("run-1")
+    assert checkpoints.save(client, tmp_path, 2, name="step_2") == "tinker://run-1/weights/step_2"  # type: ignore[arg-type]
+    checkpoints.save(client, tmp_path, 4, name="step_4")  # type: ignore[arg-type]
+    assert [c["step"] for c in checkpoints.read(tmp_path)] == [2, 4]
+    assert checkpoints.latest(tmp_path) == {
+        "step": 4,
+        "name": "step_4",
+        "path": "tinker://run-1/weights/step_4",
+    }
+    assert checkpoints.resume(service, tmp_path, config) == ("resumed-client", 4)  # type: ignore[arg-type]
+    assert service.calls[-1] == ("resume", "tinker://run-1/weights/step_4")
