@@ -33,6 +33,9 @@ from scheduler.submit import Submitted
 UNMATCHED = "<unmatched>"
 """The route label of a request no route matched (the path itself could be anything)."""
 
+# A client may send any method name: others are labelled `other`, so they add one series.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
 REQUEST_SECONDS = Histogram(
     "treadle_http_request_duration_seconds",
     "Time to answer a request, from its arrival to its last byte, by route template, method "
@@ -93,7 +96,8 @@ class RequestMetrics:
             await self.app(scope, receive, sending)
         finally:
             route = _route(scope)
-            REQUEST_SECONDS.labels(route, scope["method"], f"{status // 100}xx").observe(
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            REQUEST_SECONDS.labels(route, method, f"{status // 100}xx").observe(
                 time.perf_counter() - started
             )
             if status in (402, 429):

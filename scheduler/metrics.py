@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from billing.ledger import UsageLine
 from core.clock import Clock
 from core.db import Database
+from core.errors import ConfigurationError
 from core.settings import Settings
 from core.tables import Operation, OpStatus
 from scheduler.fleet_gauges import FleetGauges
@@ -177,9 +178,16 @@ def serve_port(settings: Settings, registry: CollectorRegistry = REGISTRY) -> WS
     a daemon thread; None when no port is set. `shutdown()` on the server stops it."""
     if settings.metrics_port is None:
         return None
-    server, _ = start_http_server(
-        settings.metrics_port, addr=settings.metrics_host, registry=registry
-    )
+    try:
+        server, _ = start_http_server(
+            settings.metrics_port, addr=settings.metrics_host, registry=registry
+        )
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({exc}); "
+            "set TREADLE_METRICS_PORT to a free port (each process on a host needs its own) and "
+            "TREADLE_METRICS_HOST to an address of this host"
+        ) from exc
     log.info("metrics served on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
     return server
 

@@ -137,6 +137,16 @@ def test_rate_limited_answers_are_counted_by_reason_and_route(app_factory: AppFa
     ) == {("/api/v1/telemetry", "2xx"): 1, ("/api/v1/telemetry", "4xx"): 2, ("/metrics", "2xx"): 1}
 
 
+def test_unknown_methods_share_one_series(app_factory: AppFactory) -> None:
+    with TestClient(app_factory(metrics_token=TOKEN)) as client:
+        before = _parse(client.get("/metrics", headers=BEARER).text)
+        for method in ("BREW", "PROPFIND"):
+            client.request(method, "/api/v1/healthz")
+        after = _parse(client.get("/metrics", headers=BEARER).text)
+    grown = _delta(before, after, "treadle_http_request_duration_seconds_count", "route", "method")
+    assert grown[("/api/v1/healthz", "other")] == 2
+
+
 # --- a scripted loop ----------------------------------------------------------------------------
 
 

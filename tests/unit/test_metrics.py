@@ -3,6 +3,7 @@ when the database does not answer, the metrics port a worker serves, and the set
 
 from __future__ import annotations
 
+import socket
 from datetime import datetime, timedelta
 
 import httpx
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 from billing.ledger import UsageLine
 from core.clock import FakeClock
 from core.db import Database
+from core.errors import ConfigurationError
 from core.settings import Settings
 from core.tables import Operation, OpStatus
 from scheduler import metrics
@@ -102,6 +104,15 @@ def test_a_worker_serves_its_metrics_on_the_metrics_port() -> None:
     assert "treadle_worker_failovers" not in names and "treadle_fleet_up" not in names
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_a_port_in_use_is_a_configuration_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match="set TREADLE_METRICS_PORT to a free port"):
+            metrics.serve_port(Settings(metrics_port=port))
 
 
 def test_metrics_token_settings() -> None:
