@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, Field
 
-from treadle_cookbook import checkpoints, metrics
+from treadle_cookbook import checkpoints, data, metrics
 from treadle_cookbook.config import RecipeConfig
 
 pytestmark = pytest.mark.unit
@@ -179,3 +179,60 @@ def test_checkpoints_are_listed_and_the_latest_resumed(tmp_path: Path) -> None:
     }
     assert checkpoints.resume(service, tmp_path, config) == ("resumed-client", 4)  # type: ignore[arg-type]
     assert service.calls[-1] == ("resume", "tinker://run-1/weights/step_4")
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def test_the_sample_files_load() -> None:
+    conversations = data.load_conversations(data.SAMPLE_DIR / "chat_sample.jsonl")
+    assert len(conversations) >= 30
+    assert all(any(m["role"] == "assistant" for m in c) for c in conversations)
+    pairs = data.load_preferences(data.SAMPLE_DIR / "preference_sample.jsonl", limit=5)
+    assert len(pairs) == 5
+    assert pairs[0].prompt == [{"role": "user", "content": "What is 2 plus 3?"}]
+    assert pairs[0].chosen != pairs[0].rejected
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"text": "hi"}, "record 0: expected a non-empty list"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "needs a role in"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+    ],
+)
+def test_bad_conversations_name_the_record(
+    tmp_path: Path, record: dict[str, Any], message: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=message):
+        data.load_conversations(path)
+
+
+def test_a_dataset_name_needs_the_datasets_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)
+    with pytest.raises(ImportError, match="needs the `datasets` package"):
+        data.load_conversations("allenai/tulu-3-sft-mixture")
+
+
+def test_held_out_split_is_seeded_and_disjoint() -> None:
+    items = list(range(20))
+    train, held_out = data.split_held_out(items, 0.25, seed=1)
+    assert len(held_out) == 5 and sorted(train + held_out) == items
+    assert data.split_held_out(items, 0.25, seed=1) == (train, held_out)
+    assert data.split_held_out(items, 0.25, seed=2) != (train, held_out)
+    with pytest.raises(ValueError, match="leaves none to train on"):
+        data.split_held_out([1], 0.5, seed=0)
+
+
+def test_batches_cover_each_epoch_once_and_depend_only_on_seed_and_step() -> None:
+    items = list(range(10))
+    epoch = [x for step in range(5) for x in data.batch(items, 2, step, seed=3)]
+    assert sorted(epoch) == items and epoch != items
+    assert data.batch(items, 2, 4, seed=3) == epoch[8:10]
+    second_epoch = [x for step in range(5, 10) for x in data.batch(items, 2, step, seed=3)]
+    assert sorted(second_epoch) == items and second_epoch != epoch
+    # A batch across the end of an epoch continues into the next one.
+    assert data.batch(items, 4, 2, seed=3) == epoch[8:10] + second_epoch[:2]
