@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
-from sqlalchemy import case, func, select
+from sqlalchemy import ColumnElement, case, func, literal_column, select
 from sqlalchemy.orm import Session as OrmSession
 
+from billing.prices import TOKEN_KINDS
 from billing.tables import NO_DIMENSION, UsageRollup
 from core.errors import InvalidInput
 from core.tables import ApiKey, Tenant
 
 Group = Literal["tenant", "key", "model", "kind"]
 Bucket = Literal["hour", "day"]
-TOKEN_KINDS = ("training", "sampling_prefill", "sampling_sample")
 TOP_SERIES = 8
 TOP_TENANTS = 10
 OTHER = "other"
@@ -93,25 +93,44 @@ def _buckets(start: datetime, end: datetime, bucket: Bucket) -> list[datetime]:
     return moments
 
 
+def _bucket_of(db: OrmSession, bucket: Bucket) -> ColumnElement[Any]:
+    """The rollup's hour, or its UTC day, folded by the database: a month of days is a few
+    thousand rows to read back where its hours would be tens of thousands. Literal arguments,
+    since PostgreSQL matches a grouped expression to the selected one only when spelled alike."""
+    if bucket == "hour":
+        return UsageRollup.hour.expression
+    if db.get_bind().dialect.name == "postgresql":
+        utc = func.timezone(literal_column("'UTC'"), UsageRollup.hour)
+        return func.date_trunc(literal_column("'day'"), utc)
+    return func.substr(UsageRollup.hour, 1, 10)  # SQLite holds UTC times as ISO text
+
+
+def _utc(value: datetime | str) -> datetime:
+    """A bucket's start as the database gave it: an aware or naive (UTC) time, or ISO text."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 def usage_chart(
     db: OrmSession, start: datetime, end: datetime, bucket: Bucket, group: Group
 ) -> UsageChart:
     """Tokens and cost of the hours in [start, end) (aware, UTC), per `bucket` and `group`."""
     check_range(start, end, bucket)
-    column = _COLUMNS[group]
+    column, bucket_of = _COLUMNS[group], _bucket_of(db, bucket)
     rows = db.execute(
-        select(UsageRollup.hour, column, _TOKENS, _COST)
+        select(bucket_of, column, _TOKENS, _COST)
         .where(UsageRollup.hour >= start, UsageRollup.hour < end)
-        .group_by(UsageRollup.hour, column)
+        .group_by(bucket_of, column)
     ).all()
     moments = _buckets(start, end, bucket)
     index = {moment: i for i, moment in enumerate(moments)}
     cells: dict[str, tuple[list[int], list[int]]] = {}
-    for hour, key, tokens, cost in rows:
+    for moment, key, tokens, cost in rows:
         tokens_by_bucket, cost_by_bucket = cells.setdefault(
             str(key), ([0] * len(moments), [0] * len(moments))
         )
-        i = index[_floor(hour, bucket)]
+        i = index[_floor(_utc(moment), bucket)]
         tokens_by_bucket[i] += int(tokens or 0)
         cost_by_bucket[i] += int(cost or 0)
     ranked = sorted(cells, key=lambda k: (-sum(cells[k][1]), -sum(cells[k][0]), k))

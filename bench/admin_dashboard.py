@@ -1,0 +1,220 @@
+"""The admin dashboard's pages and JSON routes on a large ledger, beside the floor measured in
+the same run.
+
+Seeds a fresh database (SQLite unless --database-url names a PostgreSQL one) with `--tenants`
+tenants, an API key each, a price per usage kind and `--events` priced usage events spread
+over the last `--days` days, bulk-inserted straight into the ledger; the hourly rollups and
+the spend counters are then rebuilt from it by billing's own repair jobs
+(`recompute_rollups`, `recompute_spend`), so they hold what recording each event would have
+written. A real server (uvicorn, in a thread) then answers `--requests` requests per route,
+one at a time on a kept-alive connection: every dashboard page and JSON route, and
+`GET /api/v1/healthz` as the floor. Prints JSON: seeding sizes and times, and p50/p95 per route
+in milliseconds.
+
+    python bench/admin_dashboard.py [--events 1000000] [--tenants 100] [--requests 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy import func, insert, select
+
+from api.app import create_app
+from api.dbschema import upgrade
+from billing.pricebook import set_price
+from billing.prices import Rate, cost_micros
+from billing.rollups import recompute_rollups
+from billing.spend import recompute_spend
+from billing.tables import UsageEvent, UsageRollup
+from core import apikeys, tenants
+from core.clock import FakeClock
+from core.db import Database
+from core.settings import Settings
+
+MODELS = ("treadle/tiny-1m", "treadle/tiny-10m", "Qwen/Qwen3-8B")
+# Kind, relative frequency, typical quantity.
+KINDS = (
+    ("training", 5, 4000),
+    ("sampling_prefill", 3, 2000),
+    ("sampling_sample", 3, 500),
+    ("checkpoint", 1, 1),
+)
+PRICES = {"training": 400_000, "sampling_prefill": 100_000, "sampling_sample": 300_000}
+BATCH = 50_000
+
+
+def seed(
+    database: Database, secret: bytes, now: datetime, n_tenants: int, n_events: int, days: int
+) -> dict[str, Any]:
+    """Tenants, their keys, prices and the ledger; returns the admin key and what was made."""
+    clock = FakeClock(now - timedelta(days=days + 1))
+    with database.transaction() as db:
+        rates: dict[str, Rate] = {
+            kind: set_price(db, clock, base_model="*", kind=kind, unit_micros=micros)
+            for kind, micros in PRICES.items()
+        } | {
+            "checkpoint": set_price(
+                db, clock, base_model="*", kind="checkpoint", unit_micros=20_000
+            )
+        }
+        admin_tenant = tenants.create_tenant(
+            db, clock, "operators", max_concurrent_sessions=1, max_lora_rank=8
+        )
+        _, admin_key = apikeys.issue_api_key(
+            db, clock, secret, admin_tenant, name="bench", scope="admin"
+        )
+        owners = []
+        for i in range(n_tenants):
+            tenant = tenants.create_tenant(
+                db, clock, f"tenant-{i:03d}", max_concurrent_sessions=8, max_lora_rank=64
+            )
+            key, _ = apikeys.issue_api_key(db, clock, secret, tenant, name="ci", scope="tenant")
+            owners.append((tenant.id, key.id))
+    rng = random.Random(0)
+    weights = [w for _, w, _ in KINDS]
+    first_hour = (now - timedelta(days=days)).replace(minute=0, second=0, microsecond=0)
+    hours = days * 24
+    started = time.perf_counter()
+    with database.transaction() as db:
+        for start in range(0, n_events, BATCH):
+            rows = []
+            for _ in range(min(BATCH, n_events - start)):
+                tenant_id, key_id = owners[min(int(rng.paretovariate(1.2)) - 1, n_tenants - 1)]
+                kind, _, typical = rng.choices(KINDS, weights)[0]
+                quantity = max(1, int(rng.expovariate(1 / typical)))
+                rate = rates[kind]
+                hour = first_hour + timedelta(hours=rng.randrange(hours))
+                rows.append(
+                    {
+                        "tenant_id": tenant_id,
+                        "api_key_id": key_id,
+                        "kind": kind,
+                        "base_model": rng.choice(MODELS),
+                        "quantity": quantity,
+                        "cached_quantity": 0,
+                        "price_id": rate.id,
+                        "amount_micros": cost_micros(rate, quantity),
+                        "hour": hour,
+                        "created_at": hour + timedelta(seconds=rng.randrange(3600)),
+                    }
+                )
+            db.execute(insert(UsageEvent), rows)
+    inserted = time.perf_counter()
+    with database.transaction() as db:
+        recompute_rollups(db)
+        recompute_spend(db)
+        rollups = db.scalar(select(func.count()).select_from(UsageRollup))
+    return {
+        "admin_key": admin_key,
+        "events": n_events,
+        "tenants": n_tenants,
+        "rollup_rows": rollups,
+        "insert_seconds": round(inserted - started, 1),
+        "rollup_seconds": round(time.perf_counter() - inserted, 1),
+    }
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def timed(client: httpx.Client, path: str, n: int) -> dict[str, float]:
+    client.get(path).raise_for_status()  # warm: templates compiled, statements cached
+    samples = []
+    for _ in range(n):
+        started = time.perf_counter()
+        client.get(path).raise_for_status()
+        samples.append((time.perf_counter() - started) * 1000)
+    return {
+        "p50": round(statistics.median(samples), 2),
+        "p95": round(statistics.quantiles(samples, n=20)[-1], 2),
+    }
+
+
+def routes(now: datetime, days: int) -> list[str]:
+    week = f"start={(now - timedelta(days=6)).date()}&end={(now + timedelta(days=1)).date()}"
+    span = f"start={(now - timedelta(days=days)).date()}&end={(now + timedelta(days=1)).date()}"
+    return [
+        "/api/v1/healthz",
+        "/admin/usage",
+        f"/admin/api/usage?{week}&bucket=day&group=tenant",
+        f"/admin/api/usage?{week}&bucket=hour&group=tenant",
+        f"/admin/api/usage?{week}&bucket=day&group=key",
+        f"/admin/api/usage?{week}&bucket=day&group=model",
+        f"/admin/api/usage?{span}&bucket=day&group=tenant",
+        f"/admin/api/usage.csv?{span}&bucket=day&group=kind",
+        "/admin/api/tenants",
+        "/admin/api/live",
+        "/admin/api/fleet",
+        "/admin/tenants",
+        "/admin/live",
+        "/admin/fleet",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--database-url", help="an empty database (default: a new SQLite file)")
+    parser.add_argument("--tenants", type=int, default=100)
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--days", type=int, default=30, help="the span the events fall in")
+    parser.add_argument("--requests", type=int, default=30, help="timed requests per route")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="treadle-admin-bench-"))
+    url = args.database_url or f"sqlite:///{folder / 'treadle.db'}"
+    database = Database(url)
+    upgrade(database)
+    settings = Settings(
+        data_dir=folder / "data",
+        database_url=url,
+        server_secret="bench-secret-0123456789abcdef",  # type: ignore[arg-type]
+    )
+    now = datetime.now(UTC)
+    seeded = seed(database, settings.secret_bytes(), now, args.tenants, args.events, args.days)
+    admin_key = seeded.pop("admin_key")
+    results: dict[str, Any] = {"database": url.split(":")[0], "seeded": seeded, "ms": {}}
+    with (
+        serving(create_app(settings)) as base_url,
+        httpx.Client(base_url=base_url, timeout=120, follow_redirects=True) as client,
+    ):
+        client.post("/admin/login", data={"key": admin_key}).raise_for_status()
+        for path in routes(now, args.days):
+            results["ms"][path] = timed(client, path, args.requests)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
