@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 import treadle
@@ -27,6 +25,7 @@ from scheduler.metrics import TOKEN_KINDS
 from tests.builders import make_settings, tenant_factory
 from tests.e2e.treadle_data import MODEL, sft_datum
 from tests.scheduling import Rows, migrated
+from tests.scrape import Samples, by, delta, eventually, parse, reachable, scrape
 from tests.server import AppFactory, LiveServer, start_server
 from tests.services import free_port
 from treadle import types
@@ -36,48 +35,6 @@ pytestmark = pytest.mark.integration
 TOKEN = "metrics-token-0123456789"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 DASHBOARD = Path(__file__).resolve().parents[2] / "infra" / "grafana" / "treadle.json"
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def _parse(text: str) -> Samples:
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def _scrape(url: str, headers: dict[str, str] | None = None) -> Samples:
-    response = httpx.get(url, headers=headers, timeout=30)
-    assert response.status_code == 200, response.text
-    return _parse(response.text)
-
-
-def _by(samples: Samples, name: str, *labels: str) -> Counter[tuple[str, ...]]:
-    """The samples named `name`, summed by the values of `labels`."""
-    sums: Counter[tuple[str, ...]] = Counter()
-    for (sample, labelset), value in samples.items():
-        if sample == name:
-            values = dict(labelset)
-            sums[tuple(values.get(label, "") for label in labels)] += int(value)
-    return sums
-
-
-def _delta(before: Samples, after: Samples, name: str, *labels: str) -> dict[tuple[str, ...], int]:
-    grown = _by(after, name, *labels)
-    grown.subtract(_by(before, name, *labels))
-    return {key: value for key, value in grown.items() if value}
-
-
-def _eventually(check: Callable[[], bool]) -> None:
-    """Wait for `check`: an op's result is readable as its transaction commits, and counted
-    just after."""
-    deadline = time.monotonic() + 30
-    while not check():
-        assert time.monotonic() < deadline, "the metrics never caught up with the database"
-        time.sleep(0.05)
-
 
 # --- protection ---------------------------------------------------------------------------------
 
@@ -101,7 +58,7 @@ def test_metrics_need_the_bearer_token(app_factory: AppFactory) -> None:
         schema = client.get("/openapi.json").json()
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    samples = _parse(response.text)
+    samples = parse(response.text)
     # The embedded server exports the fleet's gauges; the route is not in the API's schema.
     assert samples[("treadle_fleet_up", frozenset())] == 1
     assert ("treadle_active_sessions", frozenset()) in samples
@@ -111,7 +68,7 @@ def test_metrics_need_the_bearer_token(app_factory: AppFactory) -> None:
 def test_the_metrics_port_serves_without_a_token(app_factory: AppFactory) -> None:
     port = free_port()
     with TestClient(app_factory(metrics_port=port)) as client:
-        samples = _scrape(f"http://127.0.0.1:{port}/metrics")
+        samples = scrape(f"http://127.0.0.1:{port}/metrics")
         assert client.get("/metrics").status_code == 404  # the API's own port stays closed
     assert samples[("treadle_fleet_up", frozenset())] == 1
     with pytest.raises(httpx.ConnectError):  # stopped with the app
@@ -122,28 +79,28 @@ def test_rate_limited_answers_are_counted_by_reason_and_route(app_factory: AppFa
     app = app_factory(metrics_token=TOKEN, telemetry_per_minute=1)
     with TestClient(app) as client:
         key = tenant_factory(app.state.treadle.database, app.state.treadle.settings)().key
-        before = _parse(client.get("/metrics", headers=BEARER).text)
+        before = parse(client.get("/metrics", headers=BEARER).text)
         answers = [
             client.post("/api/v1/telemetry", json={"events": []}, headers={"X-API-Key": key})
             for _ in range(3)
         ]
-        after = _parse(client.get("/metrics", headers=BEARER).text)
+        after = parse(client.get("/metrics", headers=BEARER).text)
     assert [a.status_code for a in answers].count(429) == 2
-    assert _delta(before, after, "treadle_http_refusals_total", "status", "reason", "route") == {
+    assert delta(before, after, "treadle_http_refusals_total", "status", "reason", "route") == {
         ("429", "rate_limited", "/api/v1/telemetry"): 2
     }
-    assert _delta(
+    assert delta(
         before, after, "treadle_http_request_duration_seconds_count", "route", "status_class"
     ) == {("/api/v1/telemetry", "2xx"): 1, ("/api/v1/telemetry", "4xx"): 2, ("/metrics", "2xx"): 1}
 
 
 def test_unknown_methods_share_one_series(app_factory: AppFactory) -> None:
     with TestClient(app_factory(metrics_token=TOKEN)) as client:
-        before = _parse(client.get("/metrics", headers=BEARER).text)
+        before = parse(client.get("/metrics", headers=BEARER).text)
         for method in ("BREW", "PROPFIND"):
             client.request(method, "/api/v1/healthz")
-        after = _parse(client.get("/metrics", headers=BEARER).text)
-    grown = _delta(before, after, "treadle_http_request_duration_seconds_count", "route", "method")
+        after = parse(client.get("/metrics", headers=BEARER).text)
+    grown = delta(before, after, "treadle_http_request_duration_seconds_count", "route", "method")
     assert grown[("/api/v1/healthz", "other")] == 2
 
 
@@ -187,7 +144,7 @@ def _tokens(server: LiveServer) -> dict[tuple[str, ...], int]:
         rows = db.execute(
             select(UsageEvent.kind, func.sum(UsageEvent.quantity))
             .where(UsageEvent.kind.in_(TOKEN_KINDS))
-            .group_by(UsageEvent.kind)
+            .groupby(UsageEvent.kind)
         ).all()
     return {(kind,): int(total) for kind, total in rows}
 
@@ -196,19 +153,19 @@ def _tokens(server: LiveServer) -> dict[tuple[str, ...], int]:
 def loop(server: LiveServer) -> tuple[Samples, Samples]:
     """The server's metrics before and after the scripted loop (the session still open)."""
     url = f"{server.base_url}/metrics"
-    before = _scrape(url, BEARER)
+    before = scrape(url, BEARER)
     key = server.make_tenant().key
     with treadle.ServiceClient(base_url=server.base_url, api_key=key) as service:
         _scripted_loop(service)
         _, outcomes = _ops(server)
 
         def counted() -> bool:
-            after = _scrape(url, BEARER)
-            finished = _delta(before, after, "treadle_ops_finished_total", "kind", "outcome")
+            after = scrape(url, BEARER)
+            finished = delta(before, after, "treadle_ops_finished_total", "kind", "outcome")
             return sum(finished.values()) == sum(outcomes.values())
 
-        _eventually(counted)
-        after = _scrape(url, BEARER)
+        eventually(counted)
+        after = scrape(url, BEARER)
     return before, after
 
 
@@ -216,17 +173,17 @@ def test_op_counts_equal_the_op_log(server: LiveServer, loop: tuple[Samples, Sam
     before, after = loop
     by_kind, outcomes = _ops(server)
     assert ("forward_backward", "failed", "user") in outcomes
-    finished = _delta(before, after, "treadle_ops_finished_total", "kind", "outcome", "category")
+    finished = delta(before, after, "treadle_ops_finished_total", "kind", "outcome", "category")
     assert finished == dict(outcomes)
-    assert _delta(before, after, "treadle_ops_submitted_total", "kind") == dict(by_kind)
+    assert delta(before, after, "treadle_ops_submitted_total", "kind") == dict(by_kind)
     for histogram in ("queue_wait", "execution", "end_to_end"):
         name = f"treadle_op_{histogram}_seconds_count"
-        assert _delta(before, after, name, "kind") == dict(by_kind), histogram
+        assert delta(before, after, name, "kind") == dict(by_kind), histogram
 
 
 def test_token_counts_equal_the_ledger(server: LiveServer, loop: tuple[Samples, Samples]) -> None:
     before, after = loop
-    tokens = _delta(before, after, "treadle_tokens_total", "kind")
+    tokens = delta(before, after, "treadle_tokens_total", "kind")
     assert set(tokens) == {("training",), ("sampling_prefill",), ("sampling_sample",)}
     assert tokens == _tokens(server)
 
@@ -237,7 +194,7 @@ def test_requests_are_labelled_by_route_template(
     _, after = loop
     # The loop's routes are all in the API's schema, which names them by template.
     templates = set(server.app.openapi()["paths"]) | {"/metrics"}
-    routes = set(_by(after, "treadle_http_request_duration_seconds_count", "route"))
+    routes = set(by(after, "treadle_http_request_duration_seconds_count", "route"))
     assert {("/api/v1/forward_backward",), ("/api/v1/retrieve_future",)} <= routes
     assert {route for (route,) in routes} <= templates | {"<unmatched>"}
 
@@ -293,27 +250,20 @@ def test_beat_serves_the_fleet_and_failovers(tmp_path: Path, sqlite_url: str) ->
     )
     beat.start()
     try:
-        _eventually(lambda: _reachable(url))
-        first = _scrape(url)
-        assert _by(first, "treadle_workers", "status")[("live",)] == 2
+        eventually(lambda: reachable(url))
+        first = scrape(url)
+        assert by(first, "treadle_workers", "status")[("live",)] == 2
         assert first[("treadle_unplaced_queued_ops", frozenset())] == 1
-        lease = _by(first, "treadle_worker_lease_expires_in_seconds", "worker")
+        lease = by(first, "treadle_worker_lease_expires_in_seconds", "worker")
         assert set(lease) == {("w-staying",), ("w-lapsing",)}
         rows.clock.advance(10)
-        _eventually(lambda: _by(_scrape(url), "treadle_workers", "status")[("dead",)] == 1)
-        last = _scrape(url)
+        eventually(lambda: by(scrape(url), "treadle_workers", "status")[("dead",)] == 1)
+        last = scrape(url)
     finally:
         stop.set()
         beat.join(timeout=60)
     assert not beat.is_alive()
-    assert _delta(first, last, "treadle_worker_failovers_total") == {(): 1}
+    assert delta(first, last, "treadle_worker_failovers_total") == {(): 1}
     # A dead worker with nothing queued on it has no series of its own.
-    assert set(_by(last, "treadle_worker_adapter_bytes", "worker")) == {("w-staying",)}
-    assert not _reachable(url)  # beat stopped serving as it returned
-
-
-def _reachable(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
+    assert set(by(last, "treadle_worker_adapter_bytes", "worker")) == {("w-staying",)}
+    assert not reachable(url)  # beat stopped serving as it returned
