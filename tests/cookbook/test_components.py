@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import tokenizers
 from pydantic import BaseModel, Field
 
-from treadle_cookbook import checkpoints, data, metrics
+from treadle.tokenizer import Tokenizer
+from treadle.types import Datum, ForwardBackwardOutput, ModelInput, TensorData
+from treadle_cookbook import checkpoints, data, evaluation, metrics
 from treadle_cookbook.config import RecipeConfig
+from treadle_cookbook.renderers import FALLBACK_TEMPLATE, Renderer
+from treadle_cookbook.schedules import Schedule
 
 pytestmark = pytest.mark.unit
+
+# The tokenizer files Treadle's tiny models are served with (ChatML template, BPE 1k).
+TINY_TOKENIZER = Path(__file__).resolve().parents[2] / "gpu_worker" / "assets" / "bpe-1k"
 
 
 # -- config ---------------------------------------------------------------------------------
 
 
-class Schedule(BaseModel):
+class Nested(BaseModel):
     warmup_steps: int = 0
     kind: str = "constant"
 
@@ -28,7 +37,7 @@ class ExampleConfig(RecipeConfig):
     model: str = "treadle/tiny-1m"
     log_dir: Path = Path("/tmp/example")
     learning_rate: float = 1e-4
-    schedule: Schedule = Schedule()
+    schedule: Nested = Nested()
     layers: list[int] = Field(default_factory=lambda: [1])
 
 
@@ -37,7 +46,7 @@ def test_cli_overrides_are_converted_and_nested() -> None:
         ["--learning_rate", "0.01", "--schedule.warmup_steps=5", "--seed", "3", "--layers=[2, 3]"]
     )
     assert config.learning_rate == 0.01
-    assert config.schedule == Schedule(warmup_steps=5)
+    assert config.schedule == Nested(warmup_steps=5)
     assert config.seed == 3
     assert config.layers == [2, 3]
 
@@ -236,3 +245,110 @@ def test_batches_cover_each_epoch_once_and_depend_only_on_seed_and_step() -> Non
     assert sorted(second_epoch) == items and second_epoch != epoch
     # A batch across the end of an epoch continues into the next one.
     assert data.batch(items, 4, 2, seed=3) == epoch[8:10] + second_epoch[:2]
+
+
+# -- renderers ------------------------------------------------------------------------------
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 plus 3?"},
+    {"role": "assistant", "content": "2 plus 3 is 5."},
+    {"role": "user", "content": "And 1 plus 1?"},
+    {"role": "assistant", "content": "2."},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer() -> Tokenizer:
+    backend = tokenizers.Tokenizer.from_file(str(TINY_TOKENIZER / "tokenizer.json"))
+    config = json.loads((TINY_TOKENIZER / "tokenizer_config.json").read_text())
+    return Tokenizer(backend, config)
+
+
+def _trained_text(tokenizer: Tokenizer, tokens: list[int], weights: list[float]) -> str:
+    return tokenizer.decode([t for t, w in zip(tokens, weights, strict=True) if w == 1.0])
+
+
+def test_render_matches_the_template_and_trains_on_replies_only(tiny_tokenizer: Tokenizer) -> None:
+    rendered = Renderer(tiny_tokenizer).render(CHAT)
+    assert rendered.tokens == tiny_tokenizer.apply_chat_template(CHAT)
+    assert set(rendered.weights) == {0.0, 1.0}
+    trained = _trained_text(tiny_tokenizer, rendered.tokens, rendered.weights)
+    assert trained == "2 plus 3 is 5.<|im_end|>\n2.<|im_end|>\n"
+    last = Renderer(tiny_tokenizer).render(CHAT, last_only=True)
+    assert last.tokens == rendered.tokens
+    assert _trained_text(tiny_tokenizer, last.tokens, last.weights) == "2.<|im_end|>\n"
+
+
+def test_prompt_ends_with_the_assistant_header(tiny_tokenizer: Tokenizer) -> None:
+    renderer = Renderer(tiny_tokenizer)
+    prompt = renderer.prompt(CHAT[:2]).to_ints()
+    assert prompt == tiny_tokenizer.apply_chat_template(CHAT[:2], add_generation_prompt=True)
+    assert renderer.end_of_turn == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    reply = renderer.reply(CHAT[:2], "5.")
+    assert reply.tokens[: len(prompt)] == prompt
+    assert _trained_text(tiny_tokenizer, reply.tokens, reply.weights) == "5.<|im_end|>\n"
+
+
+def test_a_tokenizer_without_template_gets_the_fallback(tiny_tokenizer: Tokenizer) -> None:
+    bare = Tokenizer(tiny_tokenizer.backend, {"eos_token": "<|im_end|>"})
+    renderer = Renderer(bare)
+    assert renderer.uses_fallback and not Renderer(tiny_tokenizer).uses_fallback
+    rendered = renderer.render(CHAT[1:3])
+    assert bare.decode(rendered.tokens) == (
+        "### user\nWhat is 2 plus 3?<|im_end|>\n### assistant\n2 plus 3 is 5.<|im_end|>\n"
+    )
+    assert _trained_text(bare, rendered.tokens, rendered.weights) == "2 plus 3 is 5.<|im_end|>\n"
+    assert "eos_token" in FALLBACK_TEMPLATE
+
+
+def test_datum_shifts_tokens_and_weights(tiny_tokenizer: Tokenizer) -> None:
+    rendered = Renderer(tiny_tokenizer).render(CHAT[1:3])
+    datum = rendered.to_datum()
+    assert datum.model_input.to_ints() == rendered.tokens[:-1]
+    assert datum.loss_fn_inputs["target_tokens"].tolist() == rendered.tokens[1:]
+    assert datum.loss_fn_inputs["weights"].tolist() == rendered.weights[1:]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_tokenizer: Tokenizer) -> None:
+    changing = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    renderer = Renderer(Tokenizer(tiny_tokenizer.backend, {}, changing))
+    with pytest.raises(ValueError, match="renders message 0 \\(user\\) so that"):
+        renderer.render(CHAT[1:3])
+
+
+# -- schedules and evaluation ---------------------------------------------------------------
+
+
+def test_schedules_warm_up_then_hold_or_decay() -> None:
+    constant = Schedule(warmup_steps=3)
+    assert [constant.learning_rate(1.0, s, 10) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    linear = Schedule(kind="linear", min_ratio=0.1)
+    assert linear.learning_rate(1.0, 0, 10) == 1.0
+    assert linear.learning_rate(1.0, 5, 10) == pytest.approx(0.55)
+    assert linear.learning_rate(1.0, 10, 10) == pytest.approx(0.1)
+    cosine = Schedule(kind="cosine", warmup_steps=2)
+    rates = [cosine.learning_rate(2.0, s, 12) for s in range(12)]
+    assert rates[2] == 2.0 and rates[7] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(rates[2:]))
+
+
+def test_mean_token_loss_weights_each_token() -> None:
+    data = [
+        Datum(
+            model_input=ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [0.0, 1.0, 1.0]},
+        )
+    ]
+    output = ForwardBackwardOutput(
+        loss_fn_outputs=[{"logprobs": TensorData.from_list([-9.0, -1.0, -3.0], "float32")}]
+    )
+    assert evaluation.mean_token_loss(data, output) == pytest.approx(2.0)
+    unweighted = [
+        Datum(
+            model_input=ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [0.0, 0.0, 0.0]},
+        )
+    ]
+    with pytest.raises(ValueError, match="no trained tokens"):
+        evaluation.mean_token_loss(unweighted, output)
