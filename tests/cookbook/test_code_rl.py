@@ -1,0 +1,152 @@
+"""The code RL recipe runs end to end against an embedded server, and resumes after a kill.
+
+treadle/tiny-1m writes no code, so every reward is -0.1; `--train_constant_groups true` makes
+the steps still send their (zero-advantage) datums through cispo's forward_backward in two
+sub-batches and optim_step. The two-turn path at the token level is tested with a scripted
+sampler and a character codec, no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.server import LiveServer, start_server
+from treadle_cookbook import checkpoints, code_tasks, metrics
+from treadle_cookbook.recipes import code_rl
+from treadle_cookbook.rl.datums import datum
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+RECIPE_TIMEOUT_S = 120
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    yield from start_server(tmp_path_factory.mktemp("server"))
+
+
+def recipe(server: LiveServer, api_key: str, log_dir: Path) -> subprocess.Popen[str]:
+    args = [
+        "--model=treadle/tiny-1m",
+        f"--log_dir={log_dir}",
+        f"--steps={STEPS}",
+        "--groups_per_step=2",
+        "--group_size=2",
+        "--max_tokens=12",
+        "--lora_rank=4",
+        "--save_every=1",
+        "--train_constant_groups=true",
+        "--wall_time_s=2",
+    ]
+    env = os.environ | {"TREADLE_BASE_URL": server.base_url, "TREADLE_API_KEY": api_key}
+    return subprocess.Popen(
+        [sys.executable, "-m", "treadle_cookbook.recipes.code_rl", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_recipe_reports_reward_and_resumes_after_a_kill(server: LiveServer, tmp_path: Path) -> None:
+    api_key = server.make_tenant().key
+    log_dir = tmp_path / "run"
+    first = recipe(server, api_key, log_dir)
+    deadline = time.monotonic() + RECIPE_TIMEOUT_S
+    while checkpoints.latest(log_dir) is None:
+        assert first.poll() is None, first.communicate()[0]
+        assert time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed_at = checkpoints.latest(log_dir)
+    assert killed_at is not None and killed_at["step"] < STEPS
+
+    second = recipe(server, api_key, log_dir)
+    output, _ = second.communicate(timeout=RECIPE_TIMEOUT_S)
+    assert second.returncode == 0, output
+
+    rows = [row for row in metrics.read(log_dir) if "reward" in row]
+    assert {row["step"] for row in rows} == set(range(STEPS))
+    resumed = rows[[row["step"] for row in rows].index(killed_at["step"]) :]
+    assert [row["step"] for row in resumed] == list(range(killed_at["step"], STEPS))
+    for row in rows:
+        assert row["reward"] == pytest.approx(-0.1) and row["code_block_rate"] == 0.0
+        assert row["datums"] == 4 and row["staleness_max"] <= 3 and "loss" in row
+    assert checkpoints.read(log_dir)[-1]["step"] == STEPS
+    config = json.loads((log_dir / "config.json").read_text())
+    assert config["loss_fn"] == "cispo" and "api_key" not in config
+    assert (log_dir / "reward.png").stat().st_size > 0 and (log_dir / "tools.png").exists()
+
+
+# -- the two-turn flow at the token level ---------------------------------------------------
+
+
+class CharCodec:
+    """One token per character (its code point); 0 is end of sequence."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+class ScriptedSampler:
+    """Answers each sample call with the next scripted text, remembering the prompts."""
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = list(answers)
+        self.prompts: list[list[int]] = []
+
+    async def sample_async(self, prompt: object, num_samples: int, params: object) -> object:
+        self.prompts.append(prompt.to_ints())  # type: ignore[attr-defined]
+        tokens = [ord(c) for c in self.answers.pop(0)] + [0]
+        sequence = SimpleNamespace(tokens=tokens, logprobs=[-1.0] * len(tokens))
+        return SimpleNamespace(sequences=[sequence])
+
+
+PROBLEM = code_tasks.CodeProblem(
+    "sum", "Print a + b.", (code_tasks.Case("1 2\n", "3\n", "stdin"),) * 2
+)
+
+
+def test_an_attempt_trains_both_turns_but_not_the_tool_message() -> None:
+    wrong = "<check_solution>\n```python\nprint(0)\n```\n</check_solution>"
+    right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    sampler = ScriptedSampler(wrong, right)
+    cfg = code_rl.Config(log_dir=Path("unused"), max_tokens=64)
+    codec = CharCodec()
+    grader = code_rl.Grader(code_rl.Limits(wall_time_s=2.0), tool_tests=1)
+    try:
+        one = asyncio.run(code_rl.attempt(sampler, PROBLEM, cfg, codec, grader))  # type: ignore[arg-type]
+    finally:
+        grader.close()
+    assert one.reward == 1.0 and one.called_tool and one.has_code
+    first, second = one.turns
+    tool_text = codec.decode(second.prompt_tokens[len(first.prompt_tokens) + len(wrong) :])
+    assert tool_text.startswith("\nTool (check_solution): 0/1 tests passed.")
+    assert (
+        codec.decode(first.tokens) == wrong + "\0" and codec.decode(second.tokens) == right + "\0"
+    )
+    assert sampler.prompts == [first.prompt_tokens, second.prompt_tokens]
+    data = [datum(turn, 0.5) for turn in one.turns]
+    tool_start = len(first.prompt_tokens) + len(wrong) - 1
+    assert data[1].loss_fn_inputs["advantages"].tolist()[tool_start : tool_start + 5] == [0.0] * 5
+    assert data[1].loss_fn_inputs["advantages"].tolist()[-len(second.tokens) :] == [0.5] * len(
+        second.tokens
+    )
