@@ -144,7 +144,7 @@ def _tokens(server: LiveServer) -> dict[tuple[str, ...], int]:
         rows = db.execute(
             select(UsageEvent.kind, func.sum(UsageEvent.quantity))
             .where(UsageEvent.kind.in_(TOKEN_KINDS))
-            .groupby(UsageEvent.kind)
+            .group_by(UsageEvent.kind)
         ).all()
     return {(kind,): int(total) for kind, total in rows}
 
