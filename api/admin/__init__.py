@@ -9,7 +9,7 @@ CSRF token, and `usage` and `overview` read the rows. None of it is in the OpenA
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import RedirectResponse
+from fastapi.responses import RedirectResponse, Response
 
 from api.admin import api, pages
 from api.admin.auth import LoginRequired
@@ -21,6 +21,10 @@ def install(app: FastAPI) -> None:
     app.include_router(api.router)
 
     @app.exception_handler(LoginRequired)
-    async def _login(request: Request, _: LoginRequired) -> RedirectResponse:
-        root = str(request.scope.get("root_path", "")).rstrip("/")
-        return RedirectResponse(f"{root}/admin/login", status_code=303, headers=pages.HEADERS)
+    async def _login(request: Request, _: LoginRequired) -> Response:
+        login = f"{str(request.scope.get('root_path', '')).rstrip('/')}/admin/login"
+        if request.headers.get("HX-Request") == "true":
+            # A table's refresh after the session ended: htmx loads the login page whole,
+            # instead of swapping it into the table.
+            return Response(status_code=204, headers=pages.HEADERS | {"HX-Redirect": login})
+        return RedirectResponse(login, status_code=303, headers=pages.HEADERS)

@@ -194,6 +194,8 @@ def test_only_an_admin_gets_in_and_a_cookie_counts_only_while_valid(
         away = d.client.get(path, follow_redirects=False)
         assert (away.status_code, away.headers["location"]) == (303, "/admin/login"), path
         assert d.client.get(path, headers={"X-API-Key": d.acme.key}).status_code == 403, path
+    refresh = d.client.get("/admin/live/tables", headers={"HX-Request": "true"})
+    assert (refresh.status_code, refresh.headers["hx-redirect"]) == (204, "/admin/login")
 
     refused = d.client.post("/admin/login", data={"key": d.acme.key}, follow_redirects=False)
     assert refused.status_code == 403 and "admin-scope key" in refused.text
