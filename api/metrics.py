@@ -1,7 +1,7 @@
 """Prometheus metrics of an API process: request latency by route, the 402 and 429 answers, ops
 submitted, and the `/metrics` route that serves them with the process's other metrics.
 
-Labels name the route's template (`/api/v1/training_runs/{model_id}`), never the URL a client
+Labels name the route's template (`/api/v1/training_runs/{run_id}`), never the URL a client
 sent, so ids never become series. `/metrics` on the API's own port needs
 `Authorization: Bearer <TREADLE_METRICS_TOKEN>`, and answers 404 while no token is set (off by
 default on the public port); TREADLE_METRICS_PORT serves the same metrics on a separate port
