@@ -1,0 +1,253 @@
+"""Unit tests of the cookbook's RL components: no server, each in milliseconds.
+
+Numbers are checked against references written here in plain torch; the clients are small
+fakes that record what the components send, since what is under test is the arithmetic and
+the scheduling, not the server (tests/cookbook/test_math_grpo.py runs them against one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from treadle import types
+from treadle.futures import APIFuture
+from treadle_cookbook import arith
+from treadle_cookbook.rl.datums import datum, group_data, sampler_trainer_kl
+from treadle_cookbook.rl.groups import Group, Sample, advantages, drop_constant, drop_stale
+from treadle_cookbook.rl.rollouts import OverlappedRollouts, RolloutSpec, SyncRollouts
+from treadle_cookbook.rl.train import split, train_step
+
+pytestmark = pytest.mark.unit
+
+
+def sample(reward: float, tokens: list[int] | None = None, lp: float = -0.5) -> Sample:
+    tokens = tokens or [4, 5, 12]
+    return Sample([1, 2, 3], tokens, [lp] * len(tokens), reward)
+
+
+# -- advantages and dropping ------------------------------------------------------------------
+
+
+def test_advantages_match_a_torch_reference() -> None:
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    r = torch.tensor(rewards, dtype=torch.float64)
+    expected = (r - r.mean()) / (r.std(unbiased=False) + 1e-4)
+    assert advantages(rewards) == pytest.approx(expected.tolist(), rel=1e-12)
+    assert sum(advantages(rewards)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_constant_group_has_zero_advantages_and_is_dropped() -> None:
+    assert advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+    mixed = Group([sample(1.0), sample(0.0)], sampler_step=0)
+    all_right = Group([sample(1.0), sample(1.0)], sampler_step=0)
+    all_wrong = Group([sample(0.0), sample(0.0)], sampler_step=0)
+    assert drop_constant([all_right, mixed, all_wrong]) == [mixed]
+
+
+def test_groups_older_than_max_staleness_are_dropped() -> None:
+    groups = [Group([sample(1.0)], sampler_step=s) for s in (2, 3, 4, 5, 6)]
+    kept = drop_stale(groups, trainer_step=6, max_staleness=3)
+    assert [g.sampler_step for g in kept] == [3, 4, 5, 6]
+
+
+# -- datums and KL -------------------------------------------------------------------------------
+
+
+def test_datum_shifts_the_sequence_and_masks_the_prompt_with_zero_advantage() -> None:
+    d = datum(Sample([1, 2, 3], [4, 5, 12], [-0.1, -0.2, -0.3], 1.0), advantage=0.5)
+    assert d.model_input.to_ints() == [1, 2, 3, 4, 5]
+    inputs = {k: v.tolist() for k, v in d.loss_fn_inputs.items()}
+    assert inputs["target_tokens"] == [2, 3, 4, 5, 12]
+    assert inputs["logprobs"] == pytest.approx([0.0, 0.0, -0.1, -0.2, -0.3])
+    assert inputs["advantages"] == pytest.approx([0.0, 0.0, 0.5, 0.5, 0.5])
+
+
+def test_group_data_gives_each_sample_its_group_advantage() -> None:
+    groups = [
+        Group([sample(1.0), sample(0.0)], 0),
+        Group([sample(0.0), sample(0.0), sample(1.0)], 0),
+    ]
+    data, samples = group_data(groups)
+    assert len(data) == len(samples) == 5
+    last_advantage = [d.loss_fn_inputs["advantages"].tolist()[-1] for d in data]
+    expected = advantages([1.0, 0.0]) + advantages([0.0, 0.0, 1.0])
+    assert last_advantage == pytest.approx(expected, rel=1e-6)
+
+
+def test_sampler_trainer_kl_is_the_mean_gap_over_sampled_tokens_only() -> None:
+    samples = [sample(1.0, [4, 12], lp=-1.0), sample(0.0, [4, 5, 12], lp=-2.0)]
+    # Per position of each datum (prompt positions first, which must be ignored).
+    trainer = [[-9.0, -9.0, -1.5, -0.5], [-9.0, -9.0, -2.0, -2.5, -1.0]]
+    gaps = [-1.0 + 1.5, -1.0 + 0.5, -2.0 + 2.0, -2.0 + 2.5, -2.0 + 1.0]
+    assert sampler_trainer_kl(samples, trainer) == pytest.approx(sum(gaps) / len(gaps))
+
+
+# -- one training step in sub-batches -----------------------------------------------------------
+
+
+class RecordingTrainer:
+    """Answers forward_backward with logprobs 0.1 above the sampler's, and records calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    async def forward_backward_async(
+        self, data: list[types.Datum], loss_fn: str
+    ) -> APIFuture[types.ForwardBackwardOutput]:
+        self.calls.append((loss_fn, len(data)))
+        outputs = [
+            {
+                "logprobs": types.TensorData.from_list(
+                    [x + 0.1 for x in d.loss_fn_inputs["logprobs"].tolist()], "float32"
+                )
+            }
+            for d in data
+        ]
+        output = types.ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": 1.0})
+        return APIFuture.completed(output)
+
+    async def optim_step_async(self, adam: types.AdamParams) -> APIFuture[types.OptimStepResponse]:
+        self.calls.append(("optim_step", 0))
+        return APIFuture.completed(types.OptimStepResponse(metrics={"grad_norm:mean": 2.0}))
+
+
+def test_split_makes_near_equal_contiguous_chunks() -> None:
+    assert split(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split([1, 2], 5) == [[1], [2]]
+    with pytest.raises(ValueError, match="at least 1"):
+        split([1], 0)
+
+
+def test_train_step_sends_every_sub_batch_before_one_optim_step() -> None:
+    groups = [Group([sample(1.0), sample(0.0), sample(0.0)], 0) for _ in range(3)]
+    trainer = RecordingTrainer()
+    metrics = asyncio.run(
+        train_step(
+            trainer,  # type: ignore[arg-type]
+            groups,
+            loss_fn="ppo",
+            adam=types.AdamParams(learning_rate=1e-4),
+            sub_batches=4,
+        )
+    )
+    assert trainer.calls == [("ppo", 3), ("ppo", 2), ("ppo", 2), ("ppo", 2), ("optim_step", 0)]
+    assert metrics["datums"] == 9 and metrics["sub_batches"] == 4
+    assert metrics["loss"] == pytest.approx(4.0)
+    assert metrics["grad_norm"] == 2.0
+    # The trainer's logprobs are 0.1 above the sampler's on every sampled token.
+    assert metrics["kl_sampler_trainer"] == pytest.approx(-0.1, abs=1e-6)
+
+
+# -- rollouts --------------------------------------------------------------------------------------
+
+
+class CharCodec:
+    """The arithmetic vocabulary as a tokenizer, end-of-sequence at its index."""
+
+    eos_token_id = arith.VOCAB.index(arith.EOS)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return arith.encode(text)
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False) -> str:
+        return "".join(arith.VOCAB[t] for t in token_ids)
+
+
+class AnsweringSampler:
+    """Answers every prompt correctly in its first sample and wrongly in the others."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def sample_async(
+        self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams
+    ) -> types.SampleResponse:
+        self.requests += 1
+        await asyncio.sleep(0)
+        text = CharCodec().decode(prompt.to_ints())
+        a, b = int(text[:3]), int(text[4:7])
+        right = [*arith.encode(f"{a + b:04d}"), CharCodec.eos_token_id]
+        wrong = [*arith.encode(f"{(a + b + 1) % 10000:04d}"), CharCodec.eos_token_id]
+        sequences = [
+            types.SampledSequence(
+                stop_reason="stop", tokens=right if i == 0 else wrong, logprobs=[-0.5] * 5
+            )
+            for i in range(num_samples)
+        ]
+        return types.SampleResponse(sequences=sequences)
+
+
+def spec() -> RolloutSpec:
+    return RolloutSpec(CharCodec(), arith.exact_match, group_size=4, max_tokens=5)
+
+
+def problems() -> Iterator[arith.Problem]:
+    return arith.training_problems(seed=1)
+
+
+def test_sync_rollouts_grade_groups_with_the_published_weights() -> None:
+    async def run() -> Any:
+        rollouts = SyncRollouts(problems(), spec(), groups_per_step=3, seed=0)
+        rollouts.publish(AnsweringSampler(), step=7)  # type: ignore[arg-type]
+        return await rollouts.next_batch(trainer_step=7)
+
+    batch = asyncio.run(run())
+    assert len(batch.groups) == 3 and batch.stale_dropped == 0 and batch.staleness == [0, 0, 0]
+    assert all(g.rewards == [1.0, 0.0, 0.0, 0.0] for g in batch.groups)
+    assert all(g.sampler_step == 7 for g in batch.groups)
+
+
+def test_overlapped_rollouts_sample_ahead_and_drop_stale_groups() -> None:
+    async def run() -> tuple[Any, Any, int]:
+        sampler = AnsweringSampler()
+        rollouts = OverlappedRollouts(problems(), spec(), groups_per_step=2, max_staleness=3)
+        rollouts.publish(sampler, step=0)  # type: ignore[arg-type]
+        rollouts.start()
+        # The tasks sample while nobody asks: the queue fills, one step ahead.
+        for _ in range(20):
+            await asyncio.sleep(0)
+        ahead = sampler.requests
+        first = await rollouts.next_batch(trainer_step=1)  # staleness 1 <= 3: kept
+        # The trainer moves on to step 5 (weights published), so what the tasks sampled
+        # with step-0 weights in the meantime is 5 steps old: dropped.
+        rollouts.publish(sampler, step=5)  # type: ignore[arg-type]
+        second = await rollouts.next_batch(trainer_step=5)
+        await rollouts.close()
+        return first, second, ahead
+
+    first, second, ahead = asyncio.run(run())
+    assert ahead >= 2
+    assert first.stale_dropped == 0 and first.staleness == [1, 1]
+    assert second.stale_dropped >= 2
+    assert all(g.sampler_step == 5 for g in second.groups) and second.staleness == [0, 0]
+
+
+def test_overlapped_rollouts_raise_what_sampling_raised() -> None:
+    class Failing:
+        async def sample_async(self, *args: Any) -> types.SampleResponse:
+            raise RuntimeError("sampler went away")
+
+    async def run() -> None:
+        rollouts = OverlappedRollouts(problems(), spec(), groups_per_step=2)
+        rollouts.publish(Failing(), step=0)  # type: ignore[arg-type]
+        rollouts.start()
+        try:
+            await rollouts.next_batch(trainer_step=0)
+        finally:
+            await rollouts.close()
+
+    with pytest.raises(RuntimeError, match="sampler went away"):
+        asyncio.run(run())
+
+
+def test_training_problems_never_include_held_out_ones() -> None:
+    held_out = {p.prompt for p in arith.held_out()}
+    assert len(held_out) == arith.HELD_OUT_SIZE
+    drawn = [p.prompt for p in itertools.islice(arith.training_problems(seed=3), 20_000)]
+    assert not held_out.intersection(drawn)
