@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 NetworkIsolation = Literal["namespace", "audit_hook"]
 
@@ -62,6 +62,7 @@ _MS_BIND = 0x1000
 _MS_REC = 0x4000
 _MS_PRIVATE = 0x40000
 _SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+_EXEC_RETRIES = 40
 
 # Runs first in the child: optionally installs the socket guard, then runs the program as
 # __main__ so tracebacks name solution.py.
@@ -147,19 +148,37 @@ def run_python(
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode())
             stdin_file.seek(0)
-            child = subprocess.Popen(
+            child = _start(
+                argv, stdin_file, workdir, env, _child_setup(limits, workdir, as_root, network)
+            )
+            return _supervise(child, limits, network)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start(
+    argv: list[str], stdin: IO[bytes], workdir: Path, env: dict[str, str], setup: Callable[[], None]
+) -> subprocess.Popen[bytes]:
+    """Start the child. exec fails with EAGAIN while the sandbox uid is over its process limit,
+    which the last run's killed processes hold until they are reaped: wait briefly for that."""
+    for _ in range(_EXEC_RETRIES):
+        try:
+            return subprocess.Popen(
                 argv,
-                stdin=stdin_file,
+                stdin=stdin,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=workdir,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_child_setup(limits, workdir, as_root, network == "namespace"),
+                preexec_fn=setup,
             )
-            return _supervise(child, limits, network)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        except BlockingIOError:
+            time.sleep(0.05)
+    raise RuntimeError(
+        f"the sandbox uid stayed at its process limit for {_EXEC_RETRIES * 0.05:.0f} s: "
+        "run sandboxes sharing a uid one at a time, or give each a distinct Limits.uid"
+    )
 
 
 def _supervise(
@@ -228,13 +247,13 @@ def _kill_group(pgid: int) -> None:
 
 
 def _child_setup(
-    limits: Limits, workdir: Path, as_root: bool, new_namespace: bool
+    limits: Limits, workdir: Path, as_root: bool, network: NetworkIsolation
 ) -> Callable[[], None]:
     """The function the forked child runs before exec. Order matters: namespaces and mounts need
     root's capabilities, so they come before the limits and the switch to the sandbox uid."""
 
     def setup() -> None:
-        if new_namespace:
+        if network == "namespace":
             if as_root:
                 _unshare(_CLONE_NEWNET | _CLONE_NEWNS)
                 _private_shared_folders(workdir, limits.tmpfs_bytes)
