@@ -239,7 +239,10 @@ def problem_stream(problems: list[CodeProblem], seed: int, skip: int) -> Iterato
     return itertools.islice(itertools.cycle(order), skip, None)
 
 
-def step_metrics(groups: Sequence[AttemptGroup], kept: int, stale: int, trainer_step: int) -> dict:
+def step_metrics(
+    groups: Sequence[AttemptGroup], kept: int, stale: int, trainer_step: int
+) -> dict[str, float]:
+    """What the step's groups scored and how old their weights were; `kept` groups varied."""
     attempts = [a for g in groups for a in g.attempts]
     staleness = [trainer_step - g.sampler_step for g in groups]
     return {
