@@ -190,7 +190,7 @@ def _same_output(test: Case, stdout: str) -> bool:
 
 
 def _lines(text: str) -> list[str]:
-    lines = [line.rstrip() for line in text.strip("\n").splitlines()]
+    lines = [line.rstrip() for line in text.splitlines()]
     while lines and not lines[-1]:
         lines.pop()
     return lines
