@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import tokenizers
+import torch
 from pydantic import BaseModel, Field
 
 from treadle.tokenizer import Tokenizer
 from treadle.types import Datum, ForwardBackwardOutput, ModelInput, TensorData
-from treadle_cookbook import checkpoints, data, evaluation, metrics
+from treadle_cookbook import checkpoints, data, evaluation, metrics, preference
 from treadle_cookbook.config import RecipeConfig
 from treadle_cookbook.renderers import FALLBACK_TEMPLATE, Renderer
 from treadle_cookbook.schedules import Schedule
@@ -352,3 +353,71 @@ def test_mean_token_loss_weights_each_token() -> None:
     ]
     with pytest.raises(ValueError, match="no trained tokens"):
         evaluation.mean_token_loss(unweighted, output)
+
+
+# -- preference losses ----------------------------------------------------------------------
+
+
+def _pair_batch() -> tuple[list[Datum], list[torch.Tensor], list[float]]:
+    """Two pairs; 3 target positions each, the last two the reply's."""
+    mask = [0.0, 1.0, 1.0]
+    data = [
+        Datum(
+            model_input=ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": mask},
+        )
+        for _ in range(4)
+    ]
+    logprobs = [
+        torch.tensor(values, requires_grad=True)
+        for values in (
+            [-5.0, -1.0, -1.0],
+            [-5.0, -2.0, -1.0],
+            [-5.0, -3.0, -1.0],
+            [-5.0, -1.0, -1.0],
+        )
+    ]
+    reference = [-2.5, -2.5, -3.0, -3.0]
+    return data, logprobs, reference
+
+
+def test_dpo_loss_matches_its_formula_and_favours_the_chosen_reply() -> None:
+    data, logprobs, reference = _pair_batch()
+    loss, metrics = preference.dpo_loss(reference, beta=0.5)(data, logprobs)
+    # Rewards: 0.5, -0.5, -1.0, 1.0 -> margins 1.0 and -2.0.
+    expected = (
+        -torch.nn.functional.logsigmoid(torch.tensor(0.5))
+        - torch.nn.functional.logsigmoid(torch.tensor(-1.0))
+    ) / 2
+    assert loss.item() == pytest.approx(expected.item())
+    assert metrics == {"dpo_margin": pytest.approx(-0.5), "dpo_accuracy": 0.5}
+    loss.backward()
+    for chosen, rejected in ((logprobs[0], logprobs[1]), (logprobs[2], logprobs[3])):
+        assert chosen.grad is not None and rejected.grad is not None
+        assert chosen.grad[0] == 0 and rejected.grad[0] == 0  # the prompt is masked
+        assert (chosen.grad[1:] < 0).all() and (rejected.grad[1:] > 0).all()
+
+
+def test_kto_loss_matches_its_formula() -> None:
+    data, logprobs, reference = _pair_batch()
+    loss, metrics = preference.kto_loss(reference, beta=2.0, undesirable_weight=0.5)(data, logprobs)
+    rewards = torch.tensor([0.5, -0.5, -1.0, 1.0])
+    z = 0.0  # the mean reward (0) clamped at 0
+    desirable = 1 - torch.sigmoid(2.0 * (rewards[[0, 2]] - z))
+    undesirable = 0.5 * (1 - torch.sigmoid(2.0 * (z - rewards[[1, 3]])))
+    assert loss.item() == pytest.approx(torch.cat([desirable, undesirable]).mean().item())
+    assert metrics["kto_margin"] == pytest.approx(-0.5)
+    assert metrics["kto_chosen_reward"] == pytest.approx(-0.25)
+    loss.backward()
+    assert logprobs[0].grad is not None and (logprobs[0].grad[1:] < 0).all()
+    assert logprobs[1].grad is not None and (logprobs[1].grad[1:] > 0).all()
+
+
+def test_a_preference_batch_must_be_pairs_with_references() -> None:
+    data, logprobs, reference = _pair_batch()
+    with pytest.raises(ValueError, match="got 3 datums and 4 reference values"):
+        preference.dpo_loss(reference, beta=0.1)(data[:3], logprobs[:3])
+
+
+def test_margins_pair_up_interleaved_rewards() -> None:
+    assert preference.margins([-1.0, -3.0, -2.0, -2.0], [-2.0, -2.0, -2.0, -1.0]) == [2.0, 1.0]
