@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from treadle.tokenizer import Tokenizer
 from treadle.types import Datum, ForwardBackwardOutput, ModelInput, TensorData
-from treadle_cookbook import checkpoints, data, evaluation, metrics, preference
+from treadle_cookbook import checkpoints, data, distill, evaluation, metrics, preference
 from treadle_cookbook.config import RecipeConfig
 from treadle_cookbook.renderers import FALLBACK_TEMPLATE, Renderer
 from treadle_cookbook.schedules import Schedule
@@ -421,3 +422,45 @@ def test_a_preference_batch_must_be_pairs_with_references() -> None:
 
 def test_margins_pair_up_interleaved_rewards() -> None:
     assert preference.margins([-1.0, -3.0, -2.0, -2.0], [-2.0, -2.0, -2.0, -1.0]) == [2.0, 1.0]
+
+
+# -- distillation ---------------------------------------------------------------------------
+
+
+class FakeTeacher:
+    """Answers top-k prompt logprobs: position j's entries favour token j, k = 2."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[list[int], int]] = []
+
+    def sample(self, prompt: ModelInput, num_samples: int, params: Any, **kwargs: int) -> Any:
+        tokens = prompt.to_ints()
+        self.asked.append((tokens, kwargs["topk_prompt_logprobs"]))
+        topk = [None] + [[(j, math.log(0.6)), (99, math.log(0.2))] for j in range(1, len(tokens))]
+        response = SimpleNamespace(topk_prompt_logprobs=topk)
+        return SimpleNamespace(result=lambda: response)
+
+
+def test_teacher_top_k_becomes_weighted_2d_targets_and_a_kl() -> None:
+    datum = Datum(
+        model_input=ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [0.0, 1.0, 1.0]},
+    )
+    teacher = FakeTeacher()
+    (targets,) = distill.teacher_targets(teacher, [datum], k=2)  # type: ignore[arg-type]
+    assert teacher.asked == [([5, 6, 7, 8], 2)]
+    assert targets.tokens_NK == [[1, 99], [2, 99], [3, 99]]
+    assert targets.probs_NK[0] == pytest.approx([0.75, 0.25])
+
+    soft = distill.distill_datum(datum, targets)
+    assert soft.loss_fn_inputs["target_tokens"].dense_shape == [3, 2]
+    weights = [w for row in soft.loss_fn_inputs["weights"].tolist() for w in row]
+    assert weights == pytest.approx([0.0, 0.0, 0.75, 0.25, 0.75, 0.25])
+    # A student matching the teacher's renormalised top-2 has KL 0; a uniform one does not.
+    exact = [[math.log(0.75), math.log(0.25)]] * 3
+    uniform = [[math.log(0.5), math.log(0.5)]] * 3
+    for student, want in ((exact, 0.0), (uniform, 0.75 * math.log(1.5) + 0.25 * math.log(0.5))):
+        output = ForwardBackwardOutput(
+            loss_fn_outputs=[{"logprobs": TensorData.from_list(student, "float32")}]
+        )
+        assert distill.kl_to_teacher([soft], [targets], output) == pytest.approx(want, abs=1e-6)
