@@ -181,8 +181,10 @@ def drain(
         float, typer.Option(min=1, metavar="SECONDS", help="How long --wait waits.")
     ] = 300.0,
 ) -> None:
-    """Take a worker out: it gets no new runs, and at its next lease renewal it stops, saves
-    and hands its runs over to live workers, and leaves (as on SIGTERM)."""
+    """Take a worker out of service: it gets no new runs and, at its next lease renewal, stops
+    as on SIGTERM: it saves its runs, hands them to live workers and exits. A supervisor that
+    restarts it (compose's restart policy, a StatefulSet) brings it back live: to keep it out,
+    stop or scale down its service instead of (or after) draining."""
     settings = Settings()
     database = open_database(settings, writes=True)
     clock = SystemClock()
@@ -193,8 +195,9 @@ def drain(
     except LookupError as exc:
         raise fail(str(exc)) from exc
     console.print(
-        f"worker {worker_id} is draining: it takes no new runs and hands its {held} runs over "
-        f"within about {settings.worker_lease_seconds / 3:.0f} s (its next lease renewal)",
+        f"worker {worker_id} is draining: it takes no new runs, and starts handing its {held} "
+        f"training runs (and its samplers) over at its next lease renewal, within about "
+        f"{settings.worker_lease_seconds / 3:.0f} s",
         markup=False,
         soft_wrap=True,
     )

@@ -34,6 +34,17 @@ def touch(path: Path | None) -> None:
         log.warning("cannot touch the liveness file %s: %s", path, exc)
 
 
+def forget(path: Path | None) -> None:
+    """Remove a liveness file a previous run of the process left (a restarted container keeps
+    its /tmp), so that the probe fails until this run's loop touches it."""
+    if path is None:
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove the stale liveness file %s: %s", path, exc)
+
+
 def staleness(path: Path, max_age_seconds: float) -> str | None:
     """None when `path` was touched at most `max_age_seconds` ago, else one line saying why
     not. A modification time in the future (the clock was set back) counts as fresh."""

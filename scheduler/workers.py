@@ -55,30 +55,37 @@ def renew(
     return WorkerStatus(worker.status)
 
 
-def request_drain(db: OrmSession, worker_id: str, now: datetime) -> Worker:
+def request_drain(db: OrmSession, worker_id: str, now: datetime) -> None:
     """Ask a live worker to drain: placement skips it from now on, and the worker, seeing the
     status at its next lease renewal, stops and hands its runs over. Asking twice is harmless.
-    Raises LookupError, with the reason, for a worker that is not alive."""
+    One conditional update, so a worker beat declares dead meanwhile stays dead. Raises
+    LookupError, with the reason, for a worker that is not alive."""
+    changed = db.execute(
+        update(Worker)
+        .where(Worker.id == worker_id, Worker.status.in_(HOLDING), Worker.lease_expires_at > now)
+        .values(status=WorkerStatus.DRAINING)
+        .execution_options(synchronize_session=False)
+    ).rowcount  # type: ignore[attr-defined]
+    if changed:
+        return
     worker = db.get(Worker, worker_id)
     if worker is None:
         raise LookupError(
             f"no worker has id {worker_id!r}; `treadle-server admin workers` lists them"
         )
-    if worker.status not in HOLDING or worker.lease_expires_at <= now:
-        raise LookupError(
-            f"worker {worker_id} is {_state(worker, now)}: only a live worker can drain"
-        )
-    worker.status = WorkerStatus.DRAINING
-    return worker
+    raise LookupError(f"worker {worker_id} is {_state(worker, now)}: only a live worker can drain")
 
 
-def leave(db: OrmSession, worker_id: str, now: datetime) -> None:
-    """Mark a worker that handed its runs over as gone, on purpose (not dead)."""
-    db.execute(
+def leave(db: OrmSession, worker_id: str, now: datetime) -> bool:
+    """Mark a worker that is handing its runs over as gone, on purpose (not dead); False when
+    it is no longer live or draining (beat declared it dead first), and then nothing changes."""
+    changed = db.execute(
         update(Worker)
-        .where(Worker.id == worker_id)
+        .where(Worker.id == worker_id, Worker.status.in_(HOLDING))
         .values(status=WorkerStatus.LEFT, left_at=now, lease_expires_at=now)
-    )
+        .execution_options(synchronize_session=False)
+    ).rowcount  # type: ignore[attr-defined]
+    return bool(changed)
 
 
 def declare_dead_lapsed(db: OrmSession, now: datetime) -> list[str]:
@@ -111,5 +118,5 @@ def is_alive(db: OrmSession, worker_id: str, now: datetime) -> bool:
 
 def _state(worker: Worker, now: datetime) -> str:
     if worker.status in HOLDING and worker.lease_expires_at <= now:
-        return "not renewing its lease (beat will declare it dead)"
+        return "not renewing its lease (the embedded server's, or one beat will declare dead)"
     return worker.status

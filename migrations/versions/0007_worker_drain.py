@@ -23,7 +23,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # An older release knows only live and dead: a worker that left is, to it, dead.
-    op.execute("UPDATE workers SET status = 'dead' WHERE status IN ('draining', 'left')")
+    # An older release knows only live and dead. A draining worker still holds its runs under
+    # its lease: live, so that the older beat declares it dead (and requeues what it ran) once
+    # the lease lapses. One that left holds nothing: dead.
+    op.execute("UPDATE workers SET status = 'live' WHERE status = 'draining'")
+    op.execute("UPDATE workers SET status = 'dead' WHERE status = 'left'")
     with op.batch_alter_table("workers", schema=None) as batch_op:
         batch_op.drop_column("left_at")

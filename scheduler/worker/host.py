@@ -44,8 +44,8 @@ from scheduler import metrics, oplog, workers
 from scheduler.failures import OpFailure
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
-from scheduler.placement import place
 from scheduler.served import tokenizer_key
+from scheduler.worker import handover
 from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor, failed_forward_backwards
 from scheduler.worker.outcome import Outcome
@@ -271,93 +271,28 @@ class WorkerHost:
             if self._unrecorded:
                 self._release(counted=False)
 
-    def hand_over(self, settings: Settings) -> dict[str, set[str]]:
-        """Leave on purpose: after `close`, save the state of every run this worker holds
-        that has no gradients pending and ran past its latest snapshot (so whoever takes it
-        next restores it without replaying anything), then, in one transaction, unpin this
-        worker's runs and samplers, place those with queued ops on live workers, and mark this
-        worker left. Returns worker id → targets to wake it for (the caller wakes them).
-
-        A run with gradients pending (a forward_backward whose optimizer step has not come)
-        cannot be saved without them: whoever takes it replays from its latest snapshot. Runs
-        no live worker serves stay queued, unpinned, for the first worker serving their model
-        (this one, restarted under the same id, restores them from the state saved here).
-        """
+    def hand_over(self, settings: Settings) -> dict[str, set[str]] | None:
+        """Leave on purpose (`scheduler.worker.handover`): after `close`, save the runs held
+        here and hand them over; returns worker id → targets to wake it for, or None when beat
+        declared this worker dead first."""
         self.close()
         with self._lock:
-            saved = self._save_quiet_runs()
-            now = self.clock.now()
-            with self.database.transaction() as db:
-                held = set(
-                    db.scalars(
-                        select(TrainingRun.id).where(TrainingRun.worker_id == self.worker_id)
-                    )
-                ) | set(
-                    db.scalars(
-                        select(SamplingSession.id).where(
-                            SamplingSession.worker_id == self.worker_id
-                        )
-                    )
-                )
-                oplog.requeue_held_by(db, [self.worker_id])
-                runs.unpin(db, [self.worker_id])
-                workers.leave(db, self.worker_id, now)
-                wake: dict[str, set[str]] = {}
-                for target in sorted(oplog.queued_targets(db, held)):
-                    worker_id = place(db, settings, now, target)
-                    if worker_id is not None:
-                        wake.setdefault(worker_id, set()).add(target)
-        log.info(
-            "worker %s left: %d targets handed over (%d saved now), %d with queued ops placed "
-            "on %s",
-            self.worker_id,
-            len(held),
-            saved,
-            sum(len(t) for t in wake.values()),
-            sorted(wake) or "no live worker",
-        )
+            saved = handover.save_quiet_runs(
+                self.engine,
+                self.executor,
+                self.store,
+                self.database,
+                self.clock,
+                self.worker_id,
+            )
+            wake = handover.leave(self.database, self.clock, settings, self.worker_id)
+        if wake is None:
+            log.error(
+                "worker %s was declared dead while leaving: beat moves its runs (%d saved)",
+                self.worker_id,
+                saved,
+            )
         return wake
-
-    def _save_quiet_runs(self) -> int:
-        """Snapshot the training runs held here that ran past their latest snapshot with no
-        gradients pending; returns how many. The caller holds the step lock."""
-        with self.database.reader() as db:
-            rows = db.execute(
-                select(
-                    TrainingRun.id,
-                    TrainingRun.tenant_id,
-                    TrainingRun.executed_seq_id,
-                    TrainingRun.snapshot_seq_id,
-                    TrainingRun.snapshot_uri,
-                ).where(
-                    TrainingRun.id.in_(self.engine.run_ids()),
-                    TrainingRun.worker_id == self.worker_id,
-                    TrainingRun.status.in_(runs.HOLDING),
-                )
-            ).all()
-        saved = 0
-        for run_id, tenant_id, executed, snapshotted, previous in rows:
-            behind = previous is None or snapshotted is None or snapshotted < executed
-            if not behind or self.engine.gradients_pending(run_id):
-                continue
-            try:
-                uri = self.executor.snapshot(tenant_id, run_id, executed)
-                with self.database.transaction() as db:
-                    run = db.get(TrainingRun, run_id)
-                    if run is None or run.executed_seq_id != executed:
-                        continue
-                    runs.record_snapshot(run, executed, uri)
-            except Exception:
-                log.exception(
-                    "saving %s before leaving failed; whoever takes it replays from its latest "
-                    "snapshot",
-                    run_id,
-                )
-                continue
-            if previous is not None and previous != uri:
-                self.store.delete(previous)
-            saved += 1
-        return saved
 
     def _evict_when_due(self) -> None:
         """`evict_ended` if EVICT_EVERY_SECONDS have passed since it last ran; the caller holds
@@ -446,6 +381,7 @@ class WorkerHost:
             log.exception(
                 "an engine step failed; releasing its %d operations", len(self._unrecorded)
             )
+            self._forget_unrecorded_runs()
             self._release(counted=True)
         return max(len(tasks) + given_up, 1 if self.samples.in_flight or decoded else 0)
 
@@ -491,6 +427,19 @@ class WorkerHost:
         for op_id, progress in self.samples.progress():
             self.notifier.publish_progress(op_id, progress)
         return len(decoded.finished) + len(decoded.interrupted)
+
+    def _forget_unrecorded_runs(self) -> None:
+        """Drop from the engine the training runs of a failed step's unrecorded ops: the engine
+        may have applied an op whose result was never recorded, and running it again on that
+        state would apply it twice. Their next op restores them from the op log instead."""
+        for run_id in {
+            t.target_id for t in self._unrecorded.values() if t.kind is not OpKind.SAMPLE
+        }:
+            try:
+                if run_id in self.engine.run_ids():
+                    self.engine.remove_run(run_id)
+            except Exception:
+                log.exception("could not drop %s from the engine after a failed step", run_id)
 
     def _release(self, *, counted: bool) -> None:
         """Drop the samples in flight from the decode loops and queue every claimed but

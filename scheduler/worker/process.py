@@ -45,6 +45,8 @@ def default_worker_id(device: str) -> str:
 def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None:
     from scheduler.worker.host import start_host
 
+    # Until the engine is loaded and the lease renewed, the probe must fail.
+    liveness.forget(settings.liveness_file)
     clock = SystemClock()
     database = Database(settings.resolved_database_url)
     store = open_store(settings)
@@ -62,19 +64,25 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     )
     install_host(host)
     stop = threading.Event()
-    draining = threading.Event()
+    # The lease is renewed until the hand-over is done: a lapse in between would let beat move
+    # the runs while this worker still saves them.
+    lease_done = threading.Event()
+    draining, leaving = threading.Event(), threading.Event()
 
     def keep_lease() -> None:
         # Its own thread, so long engine work never lets the lease lapse.
-        while not stop.wait(settings.worker_lease_seconds / 3):
+        while not lease_done.wait(settings.worker_lease_seconds / 3):
             try:
                 status = host.renew_lease()
             except Exception:
                 log.exception("could not renew the lease; retrying")
                 continue
-            if status in (None, WorkerStatus.DEAD):
-                # Its runs were moved elsewhere: running them here too would fork them.
-                log.error("worker %s was declared dead (lease lost); exiting", worker_id)
+            if status is WorkerStatus.LEFT and leaving.is_set():
+                return  # the hand-over has marked it left
+            if status in (None, WorkerStatus.DEAD, WorkerStatus.LEFT):
+                # Its runs were moved elsewhere (or another process under its id left):
+                # running them here too would fork them.
+                log.error("worker %s is %s in the database; exiting", worker_id, status or "gone")
                 os._exit(3)
             liveness.touch(settings.liveness_file)
             if status is WorkerStatus.DRAINING and not draining.is_set():
@@ -136,7 +144,9 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
         )
     finally:
         stop.set()
+        leaving.set()
         hand_over(host, settings, app)
+        lease_done.set()
 
 
 def hand_over(host: WorkerHost, settings: Settings, app: Celery) -> None:
@@ -154,6 +164,8 @@ def hand_over(host: WorkerHost, settings: Settings, app: Celery) -> None:
         )
         host.close()
         return
+    if wake is None:
+        return  # declared dead meanwhile: beat moves the runs
     for target_worker in wake:
         wake_worker(app, target_worker)
     log.info("handed over in %.0f ms", (time.monotonic() - started) * 1000)

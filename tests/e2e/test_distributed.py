@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -26,7 +27,7 @@ from core.tables import ModelVersion, Operation, OpStatus, Session, TrainingRun,
 from scheduler import workers
 from scheduler.ops import OpKind
 from tests.builders import TenantFactory, tenant_factory
-from tests.cluster import SECRET, Cluster, FailoverProxy, cluster
+from tests.cluster import CLI, SECRET, Cluster, FailoverProxy, cluster
 from tests.scenarios import ADAM, BATCH, MODEL, scenario
 from tests.server import start_server
 
@@ -476,3 +477,55 @@ def test_stopped_worker_hands_its_run_over_at_once(
         f"\nstopped {stopped['worker']} after step 3: largest step gap {max(gaps[3:]):.2f} s "
         f"(steps before the stop: largest {max(gaps[:3]):.2f} s)"
     )
+
+
+@ONE_STORE
+def test_drained_worker_restarted_under_its_id_gets_its_run_back_without_replay(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    """`admin workers drain` on the only worker serving a model: the worker saves the run and
+    leaves; started again under the same id it takes the run back and restores it from that
+    state, replaying nothing, and the loop's losses are an undisturbed run's."""
+    group, database, make_tenant = running
+    model, name = "treadle/tiny-10m", "only-10m"
+    group.start_worker(name, model)
+    _wait_for(database, name, lambda w: w.status == "live", seconds=120)
+    service = tinker.ServiceClient(base_url=group.api_urls["a2"], api_key=make_tenant().key)
+
+    def steps(trainer: tinker.TrainingClient, count: int) -> list[float]:
+        losses = []
+        for _ in range(count):
+            result = trainer.forward_backward(BATCH, "cross_entropy").result(timeout=300)
+            losses.append(result.metrics["loss:sum"])
+            trainer.optim_step(ADAM).result(timeout=300)
+        return losses
+
+    undisturbed = steps(
+        service.create_lora_training_client(base_model=model, rank=4, seed=5).result(), 4
+    )
+    trainer = service.create_lora_training_client(base_model=model, rank=4, seed=5).result()
+    before = steps(trainer, 2)
+    drained = subprocess.run(
+        [CLI, "admin", "workers", "drain", name],
+        env=group.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert drained.returncode == 0, drained.stderr
+    assert group.workers[name].wait(timeout=60) == 0
+    with database.reader() as db:
+        run = db.get(TrainingRun, trainer.model_id)
+        left = db.get(Worker, name)
+        assert run is not None and left is not None and left.status == "left"
+        assert run.worker_id is None and run.snapshot_seq_id == run.executed_seq_id == 4
+    group.start_worker(name, model)
+    after = steps(trainer, 2)
+    assert before + after == pytest.approx(undisturbed, rel=1e-5)
+    with database.reader() as db:
+        assert (
+            db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == trainer.model_id))
+            == name
+        )
+    assert f"restored {trainer.model_id} from a snapshot and replayed 0 ops" in group.log(name)
+    service.close("success").result(timeout=60)

@@ -3,6 +3,7 @@ database: the latest snapshot, then exactly the ops executed after it, to the sa
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,10 +12,11 @@ import pytest
 
 from core import runs
 from core.tables import TrainingRun, Worker
-from scheduler import convert, oplog, retention
+from scheduler import convert, oplog, retention, workers
 from scheduler.ops import OpKind
 from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor
+from scheduler.worker.host import WorkerHost
 from scheduler.worker.recovery import RestoreImpossible, restore_run
 from tests.builders import make_settings
 from tests.scheduling import (
@@ -29,7 +31,6 @@ from tests.scheduling import (
 
 if TYPE_CHECKING:
     from gpu_worker.engine import Engine
-    from scheduler.worker.host import WorkerHost
 
 pytestmark = pytest.mark.integration
 
@@ -289,3 +290,61 @@ def test_a_run_with_gradients_pending_is_not_saved_as_its_worker_leaves(
         (OpKind.FORWARD_BACKWARD, 7),
     ]
     assert fresh.gradients_pending(run)
+
+
+def _grad_norm(rows: Rows, request_id: str) -> float:
+    op = rows.op(request_id)
+    assert op.status == "done" and op.result is not None and op.result_codec == "json"
+    return float(json.loads(op.result)["metrics"]["grad_norm:mean"])
+
+
+def test_an_op_whose_record_failed_is_run_again_on_the_recorded_state_not_on_top_of_itself(
+    rows: Rows, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that fails as a whole after the engine applied an op (its record refused): the
+    run leaves the engine, so the op runs again on a state rebuilt from the log, instead of
+    accumulating its gradients a second time."""
+    host = worker_host(rows.database, rows.clock, engine, tmp_path / "art")
+    host.register([MODEL], host.store)
+    twins = [_stepped(rows, host) for _ in range(2)]
+    fb, optim = 2 * STEPS + 1, 2 * STEPS + 2
+    requests = {}
+    for run in twins:
+        rows.training_op(
+            run, fb, OpKind.FORWARD_BACKWARD, forward_backward_payload(run, fb, TOKENS)
+        )
+        requests[run] = rows.training_op(run, optim).request_id
+    original, failed = WorkerHost._store, []
+
+    def refuse_once(self: WorkerHost, task: Task, outcome: Any) -> Any:
+        if task.target_id == twins[1] and task.kind is OpKind.FORWARD_BACKWARD and not failed:
+            failed.append(task.id)
+            raise RuntimeError("the database went away while recording")
+        return original(self, task, outcome)
+
+    monkeypatch.setattr(WorkerHost, "_store", refuse_once)
+    host.drain()
+    assert failed and rows.op(failed[0]).attempts == 2  # run again, after the failed step
+    assert _grad_norm(rows, requests[twins[1]]) == pytest.approx(
+        _grad_norm(rows, requests[twins[0]]), rel=1e-6
+    )
+    assert _loss(engine, twins[1]) == pytest.approx(_loss(engine, twins[0]), rel=1e-6)
+
+
+def test_a_worker_declared_dead_while_leaving_records_and_moves_nothing(
+    rows: Rows, engine: Engine, tmp_path: Path
+) -> None:
+    """Beat got there first (the hand-over outlasted the lease): the failover is beat's, so the
+    worker neither records a snapshot another worker might be restoring past, nor unpins."""
+    host = _pinned_host(rows, engine, tmp_path, snapshot_every_steps=2)
+    run = _stepped_on(rows, host)
+    rows.clock.advance(60)
+    with rows.database.transaction() as db:
+        assert workers.declare_dead_lapsed(db, rows.clock.now()) == ["w1", "w2"]
+    assert host.hand_over(make_settings(tmp_path, "sqlite:///unused.db")) is None
+    after = rows.training_run(run)
+    assert (after.worker_id, after.snapshot_seq_id) == ("w1", 4)
+    with rows.database.reader() as db:
+        dead = db.get(Worker, "w1")
+        assert dead is not None and dead.status == "dead"
+    assert not list((tmp_path / "art").rglob("snapshots/6"))  # the unrecorded save is gone
