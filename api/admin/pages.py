@@ -1,27 +1,24 @@
-"""`/admin/*`: the dashboard's server-rendered pages, its forms and its files.
+"""`/admin/*`: the dashboard's server-rendered pages, logging in and out, and its files.
 
 Pages render what `api.admin.overview` and `api.admin.usage` read (the usage page's charts
-fetch `/admin/api/usage`); forms change tenants and keys only through the core functions the
-admin CLI calls (`core.tenants`, `core.apikeys`), with the admin key's id as the audit log's
-actor. Every form post carries the session's CSRF token; the cookie is HTTP-only,
-`SameSite=Strict`, and `Secure` when the request came over https. Pages, scripts and styles
-come from this server alone, under a Content-Security-Policy that allows nothing else.
+fetch `/admin/api/usage`; the live and fleet tables are fetched again by htmx). Logging in
+trades an admin key for the session cookie (`api.admin.cookies`): HTTP-only,
+`SameSite=Strict`, scoped to `/admin`, and `Secure` when the request came over https. Pages,
+scripts and styles come from this server alone; `api.admin.forms` takes the forms that change
+something.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
-from decimal import Decimal, InvalidOperation
-from pathlib import Path
-from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode
+from typing import Any
+from urllib.parse import urlencode
 
-import jinja2
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from api.admin import cookies, overview
-from api.admin.auth import Admin, PageAdmin, check_csrf, session_of
+from api.admin.auth import PageAdmin, check_csrf, session_of
+from api.admin.render import HEADERS, HERE, Form, moment, redirect, render, root, tenants_page
 from api.admin.usage import (
     TOP_SERIES,
     Bucket,
@@ -31,15 +28,11 @@ from api.admin.usage import (
     parse_moment,
 )
 from api.deps import AppState, State, authenticate
-from billing.limits import dollars
-from core import apikeys, tenants
 from core.errors import AuthenticationFailed, InvalidInput, NotFound, PermissionDenied
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 
-REFRESH_SECONDS = 5
-_HERE = Path(__file__).resolve().parent.parent
-_STATIC = _HERE / "static"
+_STATIC = HERE / "static"
 _ASSETS = {
     "admin.js": "text/javascript; charset=utf-8",
     "admin.css": "text/css; charset=utf-8",
@@ -47,100 +40,19 @@ _ASSETS = {
     "vendor/htmx.min.js": "text/javascript; charset=utf-8",
     "vendor/chart.umd.min.js": "text/javascript; charset=utf-8",
 }
-CONTENT_SECURITY_POLICY = "; ".join(
-    (
-        "default-src 'self'",
-        "script-src 'self'",
-        "style-src 'self'",
-        "connect-src 'self'",
-        "img-src 'self'",
-        "object-src 'none'",
-        "base-uri 'none'",
-        "form-action 'self'",
-        "frame-ancestors 'none'",
-    )
-)
-HEADERS = {
-    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
-    "X-Frame-Options": "DENY",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
-
-
-def _moment(value: datetime) -> str:
-    return value.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _plain_dollars(micros: int) -> str:
-    return str((Decimal(micros) / 1_000_000).normalize())
-
-
-def _mebibytes(count: int) -> str:
-    return f"{count / 2**20:,.1f} MiB"
-
-
-_TEMPLATES = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(_HERE / "templates"),
-    autoescape=True,
-    undefined=jinja2.StrictUndefined,
-)
-_TEMPLATES.globals.update(
-    moment=_moment, dollars=dollars, plain_dollars=_plain_dollars, mebibytes=_mebibytes
-)
-
-
-def _render(
-    request: Request,
-    state: AppState,
-    admin: Admin | None,
-    name: str,
-    status: int = 200,
-    **values: Any,
-) -> HTMLResponse:
-    csrf = None
-    if admin is not None and admin.session is not None:
-        csrf = cookies.csrf_token(state.server_secret, admin.session)
-    elif admin is not None:
-        csrf = ""  # the key came in a header: forms need no token
-    html = _TEMPLATES.get_template(f"admin/{name}.html").render(
-        root=_root(request), csrf=csrf, page=name, **values
-    )
-    return HTMLResponse(html, status_code=status, headers=HEADERS)
-
-
-def _root(request: Request) -> str:
-    return str(request.scope.get("root_path", "")).rstrip("/")
-
-
-def _redirect(request: Request, path: str) -> RedirectResponse:
-    return RedirectResponse(f"{_root(request)}/admin/{path}", status_code=303, headers=HEADERS)
-
-
-async def read_form(request: Request) -> dict[str, str]:
-    """A url-encoded form's fields (the last value of each); an empty body has none."""
-    body = await request.body()
-    form_type = "application/x-www-form-urlencoded"
-    if body and not request.headers.get("content-type", "").startswith(form_type):
-        raise InvalidInput(f"send this form as {form_type}")
-    fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
-    return {name: values[-1] for name, values in fields.items()}
-
-
-Form = Annotated[dict[str, str], Depends(read_form)]
+REFRESH_SECONDS = 5
 
 
 @router.get("")
 def home(request: Request) -> RedirectResponse:
-    return _redirect(request, "usage")
+    return redirect(request, "usage")
 
 
 @router.get("/login")
 def login_page(request: Request, state: State) -> Response:
     if session_of(state, request) is not None:
-        return _redirect(request, "usage")
-    return _render(request, state, None, "login", title="Log in", error=None)
+        return redirect(request, "usage")
+    return render(request, state, None, "login", title="Log in", error=None)
 
 
 @router.post("/login")
@@ -155,15 +67,15 @@ def login(request: Request, state: State, form: Form) -> Response:
             )
     except (AuthenticationFailed, PermissionDenied) as refused:
         status = 401 if isinstance(refused, AuthenticationFailed) else 403
-        return _render(
+        return render(
             request, state, None, "login", status, title="Log in", error=f"{status}: {refused}"
         )
-    response = _redirect(request, "usage")
+    response = redirect(request, "usage")
     response.set_cookie(
         cookies.COOKIE_NAME,
         cookies.issue(state.server_secret, principal.key_id, state.clock.now()),
         max_age=int(cookies.SESSION_LIFETIME.total_seconds()),
-        path=f"{_root(request)}/admin",
+        path=f"{root(request)}/admin",
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
@@ -174,10 +86,10 @@ def login(request: Request, state: State, form: Form) -> Response:
 @router.post("/logout")
 def logout(request: Request, state: State, admin: PageAdmin, form: Form) -> Response:
     check_csrf(state, admin, form.get("csrf"))
-    response = _redirect(request, "login")
+    response = redirect(request, "login")
     response.delete_cookie(
         cookies.COOKIE_NAME,
-        path=f"{_root(request)}/admin",
+        path=f"{root(request)}/admin",
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
@@ -205,7 +117,7 @@ def usage_page(
         error, (first, last) = str(invalid), default_range(state.clock.now())
     dates = {"start": first.date().isoformat(), "end": last.date().isoformat()}
     query = urlencode(dates | {"bucket": bucket, "group": group})
-    return _render(
+    return render(
         request,
         state,
         admin,
@@ -228,7 +140,7 @@ def _live_values(state: AppState) -> dict[str, Any]:
     return {
         "title": "Live",
         "live": live,
-        "now": _moment(now),
+        "now": moment(now),
         "refresh_seconds": REFRESH_SECONDS,
         "stuck_after": int(overview.STUCK_AFTER_SECONDS),
         "failed_shown": overview.FAILED_OPS_SHOWN,
@@ -237,13 +149,13 @@ def _live_values(state: AppState) -> dict[str, Any]:
 
 @router.get("/live")
 def live_page(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
-    return _render(request, state, admin, "live", **_live_values(state))
+    return render(request, state, admin, "live", **_live_values(state))
 
 
 @router.get("/live/tables")
 def live_tables(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
     """The live page's tables alone, swapped in by htmx every few seconds."""
-    return _render(request, state, admin, "live_tables", **_live_values(state))
+    return render(request, state, admin, "live_tables", **_live_values(state))
 
 
 def _fleet_values(state: AppState) -> dict[str, Any]:
@@ -253,138 +165,24 @@ def _fleet_values(state: AppState) -> dict[str, Any]:
     return {
         "title": "Fleet",
         "fleet": fleet,
-        "now": _moment(now),
+        "now": moment(now),
         "refresh_seconds": REFRESH_SECONDS,
     }
 
 
 @router.get("/fleet")
 def fleet_page(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
-    return _render(request, state, admin, "fleet", **_fleet_values(state))
+    return render(request, state, admin, "fleet", **_fleet_values(state))
 
 
 @router.get("/fleet/tables")
 def fleet_tables(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
-    return _render(request, state, admin, "fleet_tables", **_fleet_values(state))
-
-
-def _tenants_page(
-    request: Request,
-    state: AppState,
-    admin: Admin,
-    *,
-    status: int = 200,
-    error: str | None = None,
-    created: dict[str, str] | None = None,
-) -> HTMLResponse:
-    with state.database.reader() as db:
-        rows = overview.tenant_rows(db, state.clock.now())
-        keys = overview.key_rows(db)
-    return _render(
-        request,
-        state,
-        admin,
-        "tenants",
-        status,
-        title="Tenants",
-        tenants=rows,
-        keys=keys,
-        error=error,
-        created=created,
-    )
+    return render(request, state, admin, "fleet_tables", **_fleet_values(state))
 
 
 @router.get("/tenants")
-def tenants_page(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
-    return _tenants_page(request, state, admin)
-
-
-def _whole(form: dict[str, str], name: str) -> int:
-    try:
-        return int(form.get(name, "").strip())
-    except ValueError:
-        raise InvalidInput(f"{name} {form.get(name, '')[:40]!r} is not a whole number") from None
-
-
-def _micros(text: str) -> int | None:
-    """Dollars as micro-units; blank: no limit."""
-    if not text.strip():
-        return None
-    try:
-        amount = Decimal(text.strip().lstrip("$").replace(",", "")) * 1_000_000
-    except InvalidOperation:
-        raise InvalidInput(
-            f"monthly limit {text[:40]!r} is not an amount of dollars; write e.g. 250 or 99.50, "
-            "or leave it blank for no limit"
-        ) from None
-    return int(amount.to_integral_value())
-
-
-@router.post("/tenants/{tenant_id}/limits")
-def change_limits(
-    request: Request, state: State, admin: PageAdmin, form: Form, tenant_id: str
-) -> Response:
-    """Set a tenant's session quota, LoRA rank ceiling and monthly spend limit."""
-    check_csrf(state, admin, form.get("csrf"))
-    try:
-        sessions, rank = _whole(form, "max_concurrent_sessions"), _whole(form, "max_lora_rank")
-        monthly = _micros(form.get("monthly_dollars", ""))
-        with state.database.transaction() as db:
-            tenant = tenants.find_tenant(db, tenant_id)
-            tenants.update_tenant_limits(
-                db,
-                tenant,
-                clock=state.clock,
-                actor=admin.actor,
-                max_concurrent_sessions=sessions,
-                max_lora_rank=rank,
-            )
-            tenants.set_spend_limits(
-                db, state.clock, tenant, monthly_micros=monthly, actor=admin.actor
-            )
-    except (InvalidInput, NotFound) as refused:
-        return _tenants_page(request, state, admin, status=422, error=str(refused))
-    return _redirect(request, "tenants")
-
-
-@router.post("/keys")
-def create_key(request: Request, state: State, admin: PageAdmin, form: Form) -> Response:
-    """Issue a key; the page shows its plain text this once."""
-    check_csrf(state, admin, form.get("csrf"))
-    try:
-        with state.database.transaction() as db:
-            tenant = tenants.find_tenant(db, form.get("tenant_id", ""))
-            row, key = apikeys.issue_api_key(
-                db,
-                state.clock,
-                state.server_secret,
-                tenant,
-                name=form.get("name", "").strip(),
-                scope=form.get("scope", ""),
-                actor=admin.actor,
-            )
-            created = {
-                "key_id": row.id,
-                "scope": row.scope,
-                "tenant_name": tenant.name,
-                "key": key,
-            }
-    except (InvalidInput, NotFound) as refused:
-        return _tenants_page(request, state, admin, status=422, error=str(refused))
-    return _tenants_page(request, state, admin, created=created)
-
-
-@router.post("/keys/{key_id}/revoke")
-def revoke_key(
-    request: Request, state: State, admin: PageAdmin, form: Form, key_id: str
-) -> Response:
-    check_csrf(state, admin, form.get("csrf"))
-    try:
-        with state.database.transaction() as db:
-            apikeys.revoke_api_key(db, state.clock, key_id, actor=admin.actor)
-    except NotFound as refused:
-        return _tenants_page(request, state, admin, status=404, error=str(refused))
-    return _redirect(request, "tenants")
+def tenants_view(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
+    return tenants_page(request, state, admin)
 
 
 @router.get("/static/{name:path}")

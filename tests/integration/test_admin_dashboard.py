@@ -271,6 +271,12 @@ def test_forms_need_the_sessions_csrf_token_and_go_through_core(dashboard: Dashb
             select(AuditLog.actor).where(AuditLog.action == "tenant.limit_changed")
         ).all()
     assert actors and set(actors) == {d.admin.key_id}
+    round_limit = fields | {"csrf": token, "monthly_dollars": "100"}
+    assert d.client.post(path, data=round_limit, follow_redirects=False).status_code == 303
+    assert (
+        'name="monthly_dollars" type="text" inputmode="decimal" value="100"'
+        in d.client.get("/admin/tenants").text
+    )
     invalid = d.client.post(path, data=fields | {"csrf": token, "max_lora_rank": "0"})
     assert invalid.status_code == 422 and "max LoRA rank 0 is outside" in invalid.text
 
