@@ -288,15 +288,16 @@ def stuck_ops(
     ).all()
     targets = _targets(db, {op.target_id for op in ops})
     order = _RunOrder.read(db, [t for t, target in targets.items() if target.ordered])
+    fleet = _Fleet(db, now, settings)
     stuck = []
     for op in ops:
         if op.status == OpStatus.RUNNING:
             since = op.started_at
-            reason = _running_reason(db, now, op.worker_id, since)
+            reason = _running_reason(fleet, now, op.worker_id, since)
         else:
             since = op.created_at
             reason = "; ".join(
-                _queued_reasons(db, now, settings, targets.get(op.target_id), op.seq_id, order)
+                _queued_reasons(fleet, settings, targets.get(op.target_id), op.seq_id, order)
             )
         stuck.append(
             StuckOp(
@@ -313,15 +314,35 @@ def stuck_ops(
     return stuck
 
 
-def _running_reason(db: OrmSession, now: datetime, worker_id: str, since: datetime) -> str:
-    if not is_alive(db, worker_id, now):
+class _Fleet:
+    """Which workers are alive and which models a live worker serves, each looked up once per
+    listing rather than once per op."""
+
+    def __init__(self, db: OrmSession, now: datetime, settings: Settings) -> None:
+        self._db, self._now, self._settings = db, now, settings
+        self._alive: dict[str, bool] = {}
+        self._served: dict[str, bool] = {}
+
+    def alive(self, worker_id: str) -> bool:
+        if worker_id not in self._alive:
+            self._alive[worker_id] = is_alive(self._db, worker_id, self._now)
+        return self._alive[worker_id]
+
+    def served(self, base_model: str) -> bool:
+        if base_model not in self._served:
+            servers = placement.live_servers(self._db, self._settings, self._now, base_model)
+            self._served[base_model] = bool(servers)
+        return self._served[base_model]
+
+
+def _running_reason(fleet: _Fleet, now: datetime, worker_id: str, since: datetime) -> str:
+    if not fleet.alive(worker_id):
         return f"worker {worker_id} not alive"
     return f"running on {worker_id} for {_seconds(now, since):.0f} s"
 
 
 def _queued_reasons(
-    db: OrmSession,
-    now: datetime,
+    fleet: _Fleet,
     settings: Settings,
     target: _Target | None,
     seq_id: int | None,
@@ -332,12 +353,10 @@ def _queued_reasons(
     reasons = []
     if target.run is not None and target.run.status == RunStatus.FAILED:
         reasons.append("run failed")
-    lapsed = target.worker_id is not None and not is_alive(db, target.worker_id, now)
+    lapsed = target.worker_id is not None and not fleet.alive(target.worker_id)
     if lapsed:
         reasons.append(f"worker {target.worker_id} not alive")
-    if (target.worker_id is None or lapsed) and not placement.live_servers(
-        db, settings, now, target.base_model
-    ):
+    if (target.worker_id is None or lapsed) and not fleet.served(target.base_model):
         reasons.append(f"no live worker serves {target.base_model}")
     if target.ordered and target.run is not None and seq_id is not None:
         waits = order.waits_for(target.run, seq_id, settings.gap_timeout_seconds)
