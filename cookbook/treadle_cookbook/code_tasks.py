@@ -26,8 +26,9 @@ a ```python block in `<check_solution>` and `</check_solution>`. The block is ru
 and that second answer is graded on all tests. A first answer without the tag is graded as the
 final answer. A tag in the second answer runs nothing.
 
-The transcript is plain text with role prefixes (`render_prompt`, `tool_message`) that a
-tokenizer without a chat template can encode; this module does not tokenize.
+The flow is a conversation of messages (system instructions, the user's problem, the first
+answer, a `tool` message, the second answer) that `renderers.Renderer` turns into tokens with
+the model's chat template; this module does not tokenize.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from treadle_cookbook.data import Conversation, Message
 from treadle_cookbook.sandbox import Limits, run_python
 
 NO_CODE_REWARD = -0.1
@@ -209,14 +211,17 @@ def reward(problem: CodeProblem, completion: str, limits: Limits) -> float:
     return 1.0 if all(r.passed for r in passed) else 0.0
 
 
-def render_prompt(problem: CodeProblem) -> str:
-    """The first turn's prompt: instructions, the statement, and the function to write if any."""
+def conversation(problem: CodeProblem) -> Conversation:
+    """The first turn's messages: the instructions, the statement and the function to write."""
     signature = f"\nWrite a function named {problem.fn_name}." if problem.fn_name else ""
-    return f"System: {INSTRUCTIONS}\nUser: {problem.text}{signature}\nAssistant:"
+    return [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": problem.text + signature},
+    ]
 
 
-def tool_message(problem: CodeProblem, call: str, limits: Limits, tool_tests: int) -> str:
-    """The tool's answer to a `check_solution` call, followed by the next assistant prefix."""
+def tool_message(problem: CodeProblem, call: str, limits: Limits, tool_tests: int) -> Message:
+    """The tool's answer to a `check_solution` call: the first `tool_tests` tests' results."""
     code = extract_code(call)
     if code is None:
         report = f"no ```python block inside {TOOL_OPEN}; nothing was run."
@@ -229,7 +234,7 @@ def tool_message(problem: CodeProblem, call: str, limits: Limits, tool_tests: in
             for i, r in enumerate(results, 1)
         ]
         report = "\n".join(lines)
-    return f"\nTool (check_solution): {report}\nAssistant:"
+    return {"role": "tool", "content": report}
 
 
 @dataclass(frozen=True)
@@ -242,14 +247,17 @@ class Episode:
 
 
 def run_episode(
-    problem: CodeProblem, respond: Callable[[str], str], limits: Limits, tool_tests: int
+    problem: CodeProblem,
+    respond: Callable[[Conversation], str],
+    limits: Limits,
+    tool_tests: int,
 ) -> Episode:
-    """Play the two-turn flow with `respond(transcript) -> answer`, a model or a script."""
-    transcript = render_prompt(problem)
-    first = respond(transcript)
+    """Play the two-turn flow with `respond(messages) -> answer`, a model or a script."""
+    messages = conversation(problem)
+    first = respond(messages)
     call = tool_call(first)
     if call is None:
         return Episode([first], None, reward(problem, first, limits))
-    tool_output = tool_message(problem, call, limits, tool_tests)
-    second = respond(transcript + first + tool_output)
-    return Episode([first, second], tool_output, reward(problem, second, limits))
+    tool = tool_message(problem, call, limits, tool_tests)
+    second = respond([*messages, {"role": "assistant", "content": first}, tool])
+    return Episode([first, second], tool["content"], reward(problem, second, limits))

@@ -3,7 +3,7 @@
 treadle/tiny-1m writes no code, so every reward is -0.1; `--train_constant_groups true` makes
 the steps still send their (zero-advantage) datums through cispo's forward_backward in two
 sub-batches and optim_step. The two-turn path at the token level is tested with a scripted
-sampler and a character codec, no model.
+sampler and the tiny models' tokenizer and chat template, no model.
 """
 
 from __future__ import annotations
@@ -15,15 +15,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tokenizers
 
 from tests.server import LiveServer, start_server
+from treadle import types
+from treadle.tokenizer import Tokenizer
 from treadle_cookbook import checkpoints, code_tasks, metrics
 from treadle_cookbook.recipes import code_rl
+from treadle_cookbook.renderers import Renderer
 from treadle_cookbook.rl.datums import datum
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -94,28 +98,31 @@ def test_recipe_reports_reward_and_resumes_after_a_kill(server: LiveServer, tmp_
 # -- the two-turn flow at the token level ---------------------------------------------------
 
 
-class CharCodec:
-    """One token per character (its code point); 0 is end of sequence."""
+ASSETS = Path(__file__).resolve().parents[2] / "gpu_worker" / "assets" / "bpe-1k"
 
-    eos_token_id = 0
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(t) for t in token_ids)
+@pytest.fixture(scope="module")
+def renderer() -> Renderer:
+    """The tiny models' own tokenizer and ChatML template, read from the repository's assets."""
+    backend = tokenizers.Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    config = json.loads((ASSETS / "tokenizer_config.json").read_text())
+    return Renderer(Tokenizer(backend, config, (ASSETS / "chat_template.jinja").read_text()))
 
 
 class ScriptedSampler:
     """Answers each sample call with the next scripted text, remembering the prompts."""
 
-    def __init__(self, *answers: str) -> None:
+    def __init__(self, renderer: Renderer, *answers: str) -> None:
+        self.tokenizer = renderer.tokenizer
         self.answers = list(answers)
         self.prompts: list[list[int]] = []
 
-    async def sample_async(self, prompt: object, num_samples: int, params: object) -> object:
-        self.prompts.append(prompt.to_ints())  # type: ignore[attr-defined]
-        tokens = [ord(c) for c in self.answers.pop(0)] + [0]
+    async def sample_async(
+        self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams
+    ) -> SimpleNamespace:
+        self.prompts.append(prompt.to_ints())
+        tokens = self.tokenizer.encode(self.answers.pop(0), add_special_tokens=False)
+        tokens.append(self.tokenizer.eos_token_id)
         sequence = SimpleNamespace(tokens=tokens, logprobs=[-1.0] * len(tokens))
         return SimpleNamespace(sequences=[sequence])
 
@@ -125,28 +132,27 @@ PROBLEM = code_tasks.CodeProblem(
 )
 
 
-def test_an_attempt_trains_both_turns_but_not_the_tool_message() -> None:
+def test_an_attempt_trains_both_turns_but_not_the_tool_message(renderer: Renderer) -> None:
     wrong = "<check_solution>\n```python\nprint(0)\n```\n</check_solution>"
     right = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-    sampler = ScriptedSampler(wrong, right)
+    sampler = ScriptedSampler(renderer, wrong, right)
     cfg = code_rl.Config(log_dir=Path("unused"), max_tokens=64)
-    codec = CharCodec()
     grader = code_rl.Grader(code_rl.Limits(wall_time_s=2.0), tool_tests=1)
     try:
-        one = asyncio.run(code_rl.attempt(sampler, PROBLEM, cfg, codec, grader))  # type: ignore[arg-type]
+        one = asyncio.run(code_rl.attempt(sampler, PROBLEM, cfg, renderer, grader))
     finally:
         grader.close()
     assert one.reward == 1.0 and one.called_tool and one.has_code
     first, second = one.turns
-    tool_text = codec.decode(second.prompt_tokens[len(first.prompt_tokens) + len(wrong) :])
-    assert tool_text.startswith("\nTool (check_solution): 0/1 tests passed.")
-    assert (
-        codec.decode(first.tokens) == wrong + "\0" and codec.decode(second.tokens) == right + "\0"
-    )
     assert sampler.prompts == [first.prompt_tokens, second.prompt_tokens]
-    data = [datum(turn, 0.5) for turn in one.turns]
-    tool_start = len(first.prompt_tokens) + len(wrong) - 1
-    assert data[1].loss_fn_inputs["advantages"].tolist()[tool_start : tool_start + 5] == [0.0] * 5
-    assert data[1].loss_fn_inputs["advantages"].tolist()[-len(second.tokens) :] == [0.5] * len(
-        second.tokens
+    assert renderer.decode(first.tokens) == wrong and renderer.decode(second.tokens) == right
+    context = renderer.tokenizer.decode(second.prompt_tokens)
+    assert context.endswith(
+        f"{wrong}<|im_end|>\n<|im_start|>tool\n0/1 tests passed.\n"
+        "Test 1: failed, input '1 2\\n': expected '3\\n', got '0\\n'<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
+    trained = datum(second, 0.5).loss_fn_inputs["advantages"].tolist()
+    completion = len(second.tokens)
+    assert trained[:-completion] == [0.0] * (len(trained) - completion)
+    assert trained[-completion:] == [0.5] * completion

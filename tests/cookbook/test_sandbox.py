@@ -21,6 +21,7 @@ import pytest
 
 from treadle_cookbook import code_tasks
 from treadle_cookbook.code_tasks import Case, CodeProblem
+from treadle_cookbook.data import Conversation
 from treadle_cookbook.sandbox import Limits, NetworkIsolation, run_python
 
 pytestmark = pytest.mark.unit
@@ -210,19 +211,19 @@ WRONG = "a, b = map(int, input().split())\nprint(a - b)"
 RIGHT = "a, b = map(int, input().split())\nprint(a + b)"
 
 
-def scripted(*answers: str) -> tuple[list[str], Callable[[str], str]]:
-    transcripts: list[str] = []
+def scripted(*answers: str) -> tuple[list[Conversation], Callable[[Conversation], str]]:
+    seen: list[Conversation] = []
     queue = list(answers)
 
-    def respond(transcript: str) -> str:
-        transcripts.append(transcript)
+    def respond(messages: Conversation) -> str:
+        seen.append(messages)
         return queue.pop(0)
 
-    return transcripts, respond
+    return seen, respond
 
 
 def test_a_tool_call_returns_test_results_and_the_revision_is_graded() -> None:
-    transcripts, respond = scripted(
+    seen, respond = scripted(
         f"Let me check.\n<check_solution>\n{fenced(WRONG)}</check_solution>", fenced(RIGHT)
     )
     episode = code_tasks.run_episode(SUM_TWO, respond, LIMITS, tool_tests=1)
@@ -232,8 +233,12 @@ def test_a_tool_call_returns_test_results_and_the_revision_is_graded() -> None:
         "0/1 tests passed" in episode.tool_output
         and "expected '3\\n', got '-1\\n'" in episode.tool_output
     )
-    assert transcripts[1] == transcripts[0] + episode.answers[0] + episode.tool_output
-    assert transcripts[1].endswith("Assistant:")
+    assert seen[0] == code_tasks.conversation(SUM_TWO) and seen[0][0]["role"] == "system"
+    assert seen[1] == [
+        *seen[0],
+        {"role": "assistant", "content": episode.answers[0]},
+        {"role": "tool", "content": episode.tool_output},
+    ]
 
 
 def test_the_second_answer_is_final_even_when_the_check_passed() -> None:

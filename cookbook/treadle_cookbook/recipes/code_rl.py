@@ -3,9 +3,10 @@
     python -m treadle_cookbook.recipes.code_rl --model treadle/tiny-1m --log_dir /tmp/code-rl
 
 Each attempt at a problem (cookbook/data/code_problems.jsonl by default, DeepCoder format, see
-`treadle_cookbook.code_tasks`) has up to two turns. The first answer may wrap a ```python block
-in `<check_solution>` tags; the block then runs in the sandbox on the problem's first
-`tool_tests` tests, the results are appended as a tool message, and the model answers again.
+`treadle_cookbook.code_tasks`) has up to two turns, rendered with the model's chat template.
+The first answer may wrap a ```python block in `<check_solution>` tags; the block then runs in
+the sandbox on the problem's first `tool_tests` tests, the results follow as a `tool` message,
+and the model answers again.
 The final answer's first ```python block is run on every test: reward 1 if all pass, 0 if not,
 -0.1 without a block. Both turns' sampled tokens are trained with the attempt's advantage (its
 reward minus its group's mean, over the group's standard deviation); the prompt and the tool
@@ -43,10 +44,11 @@ from treadle import SamplingClient, ServiceClient, TrainingClient, types
 from treadle_cookbook import checkpoints, code_tasks
 from treadle_cookbook.code_tasks import CodeProblem
 from treadle_cookbook.config import RecipeConfig
+from treadle_cookbook.data import Message
 from treadle_cookbook.metrics import MetricsLog
+from treadle_cookbook.renderers import Renderer
 from treadle_cookbook.rl.datums import PolicyLoss, datum, sampler_trainer_kl
 from treadle_cookbook.rl.groups import Sample, advantages
-from treadle_cookbook.rl.rollouts import Codec
 from treadle_cookbook.rl.train import split
 from treadle_cookbook.sandbox import Limits
 
@@ -98,7 +100,7 @@ class Grader:
         self._limits, self._tool_tests = limits, tool_tests
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox")
 
-    async def tool_message(self, problem: CodeProblem, call: str) -> str:
+    async def tool_message(self, problem: CodeProblem, call: str) -> Message:
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, code_tasks.tool_message, problem, call, self._limits, self._tool_tests
         )
@@ -113,31 +115,33 @@ class Grader:
 
 
 async def sample_turn(
-    sampler: SamplingClient, context: list[int], cfg: Config, codec: Codec
+    sampler: SamplingClient, context: types.ModelInput, cfg: Config, renderer: Renderer
 ) -> tuple[Sample, str]:
     """One sampled turn after `context` (reward filled in later) and its text."""
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-    response = await sampler.sample_async(types.ModelInput.from_ints(context), 1, params)
+    response = await sampler.sample_async(context, 1, params)
     sequence = response.sequences[0]
-    tokens = list(sequence.tokens)
     logprobs = [float(lp) for lp in sequence.logprobs or []]
-    text_tokens = tokens[:-1] if tokens and tokens[-1] == codec.eos_token_id else tokens
-    return Sample(context, tokens, logprobs, 0.0), codec.decode(text_tokens)
+    sample = Sample(context.to_ints(), list(sequence.tokens), logprobs, 0.0)
+    return sample, renderer.decode(sequence.tokens)
 
 
 async def attempt(
-    sampler: SamplingClient, problem: CodeProblem, cfg: Config, codec: Codec, grader: Grader
+    sampler: SamplingClient,
+    problem: CodeProblem,
+    cfg: Config,
+    renderer: Renderer,
+    grader: Grader,
 ) -> Attempt:
     """Play the two-turn flow of `code_tasks.run_episode` with the policy, at the token level."""
-    prompt = codec.encode(code_tasks.render_prompt(problem))
-    first, answer = await sample_turn(sampler, prompt, cfg, codec)
+    messages = code_tasks.conversation(problem)
+    first, answer = await sample_turn(sampler, renderer.prompt(messages), cfg, renderer)
     turns = [first]
     call = code_tasks.tool_call(answer)
     if call is not None:
-        tool_text = await grader.tool_message(problem, call)
-        context = prompt + codec.encode(answer, add_special_tokens=False)
-        context += codec.encode(tool_text, add_special_tokens=False)
-        second, answer = await sample_turn(sampler, context, cfg, codec)
+        tool = await grader.tool_message(problem, call)
+        messages += [{"role": "assistant", "content": answer}, tool]
+        second, answer = await sample_turn(sampler, renderer.prompt(messages), cfg, renderer)
         turns.append(second)
     reward = await grader.reward(problem, answer)
     turns = [Sample(t.prompt_tokens, t.tokens, t.logprobs, reward) for t in turns]
@@ -149,9 +153,9 @@ class OverlappedAttempts:
     """Background tasks that keep sampling groups with the newest published weights."""
 
     def __init__(
-        self, problems: Iterator[CodeProblem], cfg: Config, codec: Codec, grader: Grader
+        self, problems: Iterator[CodeProblem], cfg: Config, renderer: Renderer, grader: Grader
     ) -> None:
-        self._problems, self._cfg, self._codec, self._grader = problems, cfg, codec, grader
+        self._problems, self._cfg, self._renderer, self._grader = problems, cfg, renderer, grader
         self._queue: asyncio.Queue[AttemptGroup | BaseException] = asyncio.Queue(
             cfg.groups_per_step
         )
@@ -173,7 +177,7 @@ class OverlappedAttempts:
             try:
                 attempts = await asyncio.gather(
                     *(
-                        attempt(sampler, problem, self._cfg, self._codec, self._grader)
+                        attempt(sampler, problem, self._cfg, self._renderer, self._grader)
                         for _ in range(self._cfg.group_size)
                     )
                 )
@@ -262,11 +266,11 @@ async def run(cfg: Config) -> None:
     log = MetricsLog(cfg.log_dir, cfg.mlflow_uri)
     service = ServiceClient(base_url=cfg.base_url, api_key=cfg.api_key)
     training, start = checkpoints.resume(service, cfg.log_dir, cfg)
-    codec = training.get_tokenizer()
+    renderer = Renderer(training.get_tokenizer())
     problems = code_tasks.load_problems(cfg.problems_path)
     stream = problem_stream(problems, cfg.seed, start * cfg.groups_per_step)
     grader = Grader(Limits(wall_time_s=cfg.wall_time_s), cfg.tool_tests)
-    rollouts = OverlappedAttempts(stream, cfg, codec, grader)
+    rollouts = OverlappedAttempts(stream, cfg, renderer, grader)
     rollouts.publish(await training.save_weights_and_get_sampling_client_async(), start)
 
     with Progress() as progress:
