@@ -21,6 +21,8 @@ from core.errors import InvalidInput, NotFound
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 
+_MAX_MICROS = 2**63 - 1  # the spend limit's column is a BIGINT
+
 
 def _whole(form: dict[str, str], name: str) -> int:
     try:
@@ -33,13 +35,20 @@ def _micros(text: str) -> int | None:
     """Dollars as micro-units; blank: no limit."""
     if not text.strip():
         return None
+    refusal = InvalidInput(
+        f"monthly limit {text[:40]!r} is not an amount of dollars; write e.g. 250 or 99.50, "
+        "or leave it blank for no limit"
+    )
     try:
         amount = Decimal(text.strip().lstrip("$").replace(",", "")) * 1_000_000
     except InvalidOperation:
+        raise refusal from None
+    if not amount.is_finite() or abs(amount) > _MAX_MICROS:
+        raise refusal
+    if amount < 0:
         raise InvalidInput(
-            f"monthly limit {text[:40]!r} is not an amount of dollars; write e.g. 250 or 99.50, "
-            "or leave it blank for no limit"
-        ) from None
+            "the monthly limit is negative; write 0 or more dollars, or leave it blank"
+        )
     return int(amount.to_integral_value())
 
 

@@ -277,6 +277,9 @@ def test_forms_need_the_sessions_csrf_token_and_go_through_core(dashboard: Dashb
         'name="monthly_dollars" type="text" inputmode="decimal" value="100"'
         in d.client.get("/admin/tenants").text
     )
+    for dollars in ("NaN", "Infinity", "1e30", "ten"):
+        refused = d.client.post(path, data=fields | {"csrf": token, "monthly_dollars": dollars})
+        assert refused.status_code == 422 and "not an amount of dollars" in refused.text
     invalid = d.client.post(path, data=fields | {"csrf": token, "max_lora_rank": "0"})
     assert invalid.status_code == 422 and "max LoRA rank 0 is outside" in invalid.text
 
