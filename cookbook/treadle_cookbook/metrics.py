@@ -22,10 +22,10 @@ class MetricsLog:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.log_dir / METRICS_FILE
-        self._file = self.path.open("a")
         self._mlflow: Any = None
         if mlflow_uri is not None:
             self._mlflow = _start_mlflow(mlflow_uri, self.log_dir.name)
+        self._file = self.path.open("a")
 
     def log(self, step: int, values: dict[str, float]) -> None:
         """Record `values` for `step`: one line, flushed at once so a crash keeps it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -132,6 +133,37 @@ def test_plot_writes_a_png_and_refuses_unknown_keys(tmp_path: Path) -> None:
     log.close()
 
 
+def test_an_mlflow_uri_sends_each_step_to_mlflow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, Any]] = []
+    fake = SimpleNamespace(
+        set_tracking_uri=lambda uri: calls.append(("uri", uri)),
+        start_run=lambda run_name: calls.append(("start", run_name)),
+        log_metrics=lambda values, step: calls.append(("log", (step, values))),
+        end_run=lambda: calls.append(("end", None)),
+    )
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    log = metrics.MetricsLog(tmp_path / "run-7", mlflow_uri="file:///tmp/mlruns")
+    log.log(3, {"loss": 1.5})
+    log.close()
+    assert calls == [
+        ("uri", "file:///tmp/mlruns"),
+        ("start", "run-7"),
+        ("log", (3, {"loss": 1.5})),
+        ("end", None),
+    ]
+    assert metrics.read(tmp_path / "run-7") == [{"step": 3, "loss": 1.5}]
+
+
+def test_an_mlflow_uri_without_mlflow_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ImportError, match="needs the mlflow package: pip install mlflow"):
+        metrics.MetricsLog(tmp_path, mlflow_uri="file:///tmp/mlruns")
+
+
 def test_mlflow_receives_the_metrics(tmp_path: Path) -> None:
     mlflow = pytest.importorskip("mlflow", reason="mlflow is an optional extra, not installed")
     uri = (tmp_path / "mlruns").as_uri()
@@ -223,7 +255,7 @@ def test_bad_conversations_name_the_record(
 
 
 def test_a_dataset_name_needs_the_datasets_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(__import__("sys").modules, "datasets", None)
+    monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match="needs the `datasets` package"):
         data.load_conversations("allenai/tulu-3-sft-mixture")
 
