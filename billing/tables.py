@@ -90,6 +90,8 @@ class UsageRollup(Base):
             "tenant_id", "hour", "api_key_id", "session_id", "base_model", "kind", "price_id"
         ),
         Index("ix_usage_rollups_session_id", "session_id"),
+        # The admin dashboard's date ranges across tenants.
+        Index("ix_usage_rollups_hour", "hour"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
