@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -61,12 +62,10 @@ def test_sft_chat_loss_falls_and_a_rerun_resumes(connection: list[str], tmp_path
     ("recipe", "key"), [(dpo, "dpo_margin"), (kto, "kto_margin")], ids=["dpo", "kto"]
 )
 def test_preference_recipes_raise_the_margin(
-    connection: list[str], tmp_path: Path, recipe: object, key: str
+    connection: list[str], tmp_path: Path, recipe: ModuleType, key: str
 ) -> None:
     log_dir = tmp_path / key
-    recipe.main(  # type: ignore[attr-defined]
-        [*connection, "--model", STUDENT, "--log_dir", str(log_dir), "--steps", "8"]
-    )
+    recipe.main([*connection, "--model", STUDENT, "--log_dir", str(log_dir), "--steps", "8"])
     margins = _values(log_dir, "train_margin")
     assert [step for step, _ in margins] == [0, 5, 8]
     assert abs(margins[0][1]) < 1e-3  # the policy starts as the reference
