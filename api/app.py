@@ -20,6 +20,7 @@ from api.metrics import RequestMetrics
 from api.openapi import install_openapi
 from api.ratelimit import TokenBuckets
 from api.readiness import Readiness
+from api.request_log import RequestLog
 from api.routes import (
     artifacts,
     audit,
@@ -158,7 +159,8 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     if settings.allowed_hosts:
         app.add_middleware(AllowedHosts, patterns=settings.allowed_hosts)
-    app.add_middleware(RequestMetrics)  # outermost: times every answer, refusals included
+    app.add_middleware(RequestMetrics)  # times every answer, refusals included
+    app.add_middleware(RequestLog)  # outermost: every answer carries and logs its request id
     return app
 
 

@@ -121,8 +121,11 @@ def serve(
         markup=False,
     )
     probe.close()
-    # No log_config: uvicorn's loggers then keep the handler `_logging` gave every logger.
-    uvicorn.run(application, host=settings.host, port=settings.port, log_config=None)
+    # No log_config: uvicorn's loggers then keep the handler `_logging` gave every logger; no
+    # access log: `api.request_log` writes each request's line.
+    uvicorn.run(
+        application, host=settings.host, port=settings.port, log_config=None, access_log=False
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -187,7 +190,11 @@ def api(
     except TreadleError as exc:
         raise fail(exc.message) from exc
     uvicorn.run(
-        application, host=host or settings.host, port=port or settings.port, log_config=None
+        application,
+        host=host or settings.host,
+        port=port or settings.port,
+        log_config=None,
+        access_log=False,
     )
 
 

@@ -10,6 +10,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader
 from sqlalchemy.orm import Session as OrmSession
 
+from api import request_context
 from api.ratelimit import TokenBuckets
 from api.readiness import Readiness
 from core import apikeys
@@ -88,6 +89,7 @@ def authenticate(state: AppState, raw: str | None) -> Principal:
     if principal.stale_last_used:
         with state.database.transaction() as db:
             apikeys.touch(db, state.clock, principal.key_id)
+    request_context.note_tenant(principal.tenant_id)
     return principal
 
 

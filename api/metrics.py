@@ -56,7 +56,9 @@ OPS_SUBMITTED = Counter(
 )
 
 
-def _route(scope: Scope) -> str:
+def route_template(scope: Scope) -> str:
+    """The template of the route that answered (`/api/v1/training_runs/{run_id}`), or
+    UNMATCHED."""
     route = scope.get("route")
     path = getattr(route, "path", None)
     return path if isinstance(path, str) else UNMATCHED
@@ -95,7 +97,7 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, sending)
         finally:
-            route = _route(scope)
+            route = route_template(scope)
             method = scope["method"] if scope["method"] in METHODS else "other"
             REQUEST_SECONDS.labels(route, method, f"{status // 100}xx").observe(
                 time.perf_counter() - started

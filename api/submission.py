@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session as OrmSession
 
-from api import metrics
+from api import metrics, request_context
 from api.deps import AppState
 from billing.estimate import Estimate
 from billing.ledger import UsageLine
@@ -234,6 +234,7 @@ def in_submission(state: AppState, work: Work) -> tuple[str, Submitted]:
         kind = metrics.new_op_kind(db, submitted)
     state.dispatcher.wake(worker)
     metrics.count_submitted(kind)
+    request_context.note_op(submitted.request_id, target_id)
     return target_id, submitted
 
 

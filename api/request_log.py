@@ -1,0 +1,88 @@
+"""One log line per HTTP request (logger `treadle.access`), in place of uvicorn's access line,
+and the request id that ties it to the client and to the op the request submitted.
+
+The id is the client's `X-Request-Id` when it is one Treadle can log safely, else a new one
+(`api.request_context`); answers carry it back in `X-Request-Id`. The line names the route's
+template as the metrics do (`api.metrics.route_template`), so no id of a run or future is in
+it, with the status, the time to the last byte and what the route noted: the tenant, and the
+op it queued with the op's target. The worker's line for that op (`scheduler.worker.op_lines`)
+carries the same op id.
+
+This module does not decide how lines look (`core.logs` does) nor authenticate anyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.metrics import route_template
+from api.request_context import RequestFacts, opened, request_id_of
+
+log = logging.getLogger("treadle.access")
+
+HEADER = "X-Request-Id"
+
+
+def _text(method: str, route: str, status: int, duration_ms: float, facts: RequestFacts) -> str:
+    """`GET /api/v1/training_runs/{run_id} 200 12.3 ms rid=... tenant=...`."""
+    line = f"{method} {route} {status} {duration_ms:.1f} ms rid={facts.request_id}"
+    if facts.tenant_id is not None:
+        line += f" tenant={facts.tenant_id}"
+    if facts.op_id is not None:
+        line += f" op={facts.op_id} target={facts.target_id}"
+    return line
+
+
+def _fields(
+    method: str, route: str, status: int, duration_ms: float, facts: RequestFacts
+) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "request_id": facts.request_id,
+        "method": method,
+        "route": route,
+        "status": status,
+        "duration_ms": duration_ms,
+    }
+    for name in ("tenant_id", "op_id", "target_id"):
+        if getattr(facts, name) is not None:
+            fields[name] = getattr(facts, name)
+    return fields
+
+
+class RequestLog:
+    """ASGI middleware: gives each HTTP request its id, returns it in `X-Request-Id` and logs
+    the request's line once the answer is sent (or the app failed before answering)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        facts = RequestFacts(request_id_of(Headers(scope=scope).get(HEADER)))
+        status = 500  # an exception before the answer started is answered 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)[HEADER] = facts.request_id
+            await send(message)
+
+        try:
+            with opened(facts):
+                await self.app(scope, receive, sending)
+        finally:
+            duration_ms = round((time.perf_counter() - started) * 1000, 1)
+            method, route = scope["method"], route_template(scope)
+            log.info(
+                "%s",
+                _text(method, route, status, duration_ms, facts),
+                extra=_fields(method, route, status, duration_ms, facts),
+            )
