@@ -123,6 +123,20 @@ class RecordedOp:
             ),
         )
 
+    @property
+    def queue_wait_seconds(self) -> float | None:
+        """From submission to the (last) start; None for an op that never started."""
+        return None if self.started_at is None else _seconds(self.created_at, self.started_at)
+
+    @property
+    def execution_seconds(self) -> float | None:
+        """From the (last) start to the recorded result; None for an op that never started."""
+        return None if self.started_at is None else _seconds(self.started_at, self.finished_at)
+
+    @property
+    def end_to_end_seconds(self) -> float:
+        return _seconds(self.created_at, self.finished_at)
+
 
 def _seconds(start: datetime, end: datetime) -> float:
     # The API's and the worker's clocks may differ a little: never a negative duration.
@@ -135,10 +149,10 @@ def observe_recorded(op: RecordedOp) -> None:
         OPS_FINISHED.labels(op.kind, "done", "").inc()
     else:
         OPS_FINISHED.labels(op.kind, "failed", op.failed_category).inc()
-    if op.started_at is not None:
-        QUEUE_WAIT.labels(op.kind).observe(_seconds(op.created_at, op.started_at))
-        EXECUTION.labels(op.kind).observe(_seconds(op.started_at, op.finished_at))
-    END_TO_END.labels(op.kind).observe(_seconds(op.created_at, op.finished_at))
+    if op.queue_wait_seconds is not None and op.execution_seconds is not None:
+        QUEUE_WAIT.labels(op.kind).observe(op.queue_wait_seconds)
+        EXECUTION.labels(op.kind).observe(op.execution_seconds)
+    END_TO_END.labels(op.kind).observe(op.end_to_end_seconds)
     for kind, quantity in op.tokens:
         TOKENS.labels(kind).inc(quantity)
 

@@ -45,7 +45,7 @@ from scheduler.failures import OpFailure
 from scheduler.notify import Notifier
 from scheduler.ops import OpKind
 from scheduler.served import tokenizer_key
-from scheduler.worker import handover
+from scheduler.worker import handover, op_lines
 from scheduler.worker.claimed import Task
 from scheduler.worker.execute import Executor, failed_forward_backwards
 from scheduler.worker.outcome import Outcome
@@ -612,4 +612,5 @@ class WorkerHost:
                 due = SnapshotDue(previous=run.snapshot_uri)
         # Once committed: a record rolled back is made again (or never) and counted then.
         metrics.observe_recorded(recorded)
+        op_lines.log_recorded(task, recorded, outcome.error, self.worker_id)
         return due
