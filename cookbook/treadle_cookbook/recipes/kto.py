@@ -65,7 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     held_out_data = preference.pair_datums(renderer, held_out)
 
     reference_file = config.log_dir / "reference.json"
-    if start_step == 0 or not reference_file.exists():
+    if start_step > 0 and not reference_file.exists():
+        raise SystemExit(
+            f"{reference_file} is missing and cannot be recomputed: it holds the initial "
+            "weights' logprobs, and this run has trained past them; pass a new --log_dir"
+        )
+    if start_step == 0:
         reference_client = training_client.save_weights_and_get_sampling_client().result()
         reference_file.write_text(
             json.dumps(
