@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
+from api import request_context
 from api.refusals import ORDERED_ROUTES, keep_place
 from api.validation import describe
 from core import errors
@@ -201,8 +202,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return for_caller(
+        request_id = request_context.request_id_in(request.scope)
+        logger.exception(
+            "unhandled error in request %s", request_id, extra={"request_id": request_id}
+        )
+        response = for_caller(
             request,
             error_response(
                 500,
@@ -211,6 +215,10 @@ def install_error_handlers(app: FastAPI) -> None:
                 "server",
             ),
         )
+        # Answered outside the middleware that gives every other answer its request id.
+        if request_id is not None:
+            response.headers[request_context.HEADER] = request_id
+        return response
 
 
 def _first_param(problems: Iterable[Any]) -> str | None:

@@ -14,11 +14,16 @@ import contextlib
 import dataclasses
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from contextvars import ContextVar
+from typing import Any
 
+HEADER = "X-Request-Id"
 # What a client's X-Request-Id may hold to be logged and echoed as it is.
 _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Where the request's id is kept in its ASGI scope for the answer to an unexpected fault, which
+# Starlette makes outside every middleware (`api.errors`).
+_SCOPE_KEY = "treadle.request_id"
 
 
 @dataclasses.dataclass
@@ -43,8 +48,9 @@ def request_id_of(sent: str | None) -> str:
 
 
 @contextlib.contextmanager
-def opened(facts: RequestFacts) -> Iterator[RequestFacts]:
-    """Notes made while this is open go to `facts`."""
+def opened(facts: RequestFacts, scope: MutableMapping[str, Any]) -> Iterator[RequestFacts]:
+    """Notes made while this is open go to `facts`; the request's `scope` keeps its id."""
+    scope[_SCOPE_KEY] = facts.request_id
     token = _current.set(facts)
     try:
         yield facts
@@ -65,3 +71,9 @@ def note_op(op_id: str, target_id: str) -> None:
     facts = _current.get()
     if facts is not None:
         facts.op_id, facts.target_id = op_id, target_id
+
+
+def request_id_in(scope: MutableMapping[str, Any]) -> str | None:
+    """The id of the request `scope` belongs to; None before the middleware gave it one."""
+    kept = scope.get(_SCOPE_KEY)
+    return kept if isinstance(kept, str) else None

@@ -20,11 +20,9 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.metrics import route_template
-from api.request_context import RequestFacts, opened, request_id_of
+from api.request_context import HEADER, RequestFacts, opened, request_id_of
 
 log = logging.getLogger("treadle.access")
-
-HEADER = "X-Request-Id"
 
 
 def _text(method: str, route: str, status: int, duration_ms: float, facts: RequestFacts) -> str:
@@ -76,7 +74,7 @@ class RequestLog:
             await send(message)
 
         try:
-            with opened(facts):
+            with opened(facts, scope):
                 await self.app(scope, receive, sending)
         finally:
             duration_ms = round((time.perf_counter() - started) * 1000, 1)

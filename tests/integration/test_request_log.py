@@ -13,7 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
+from api.errors import install_error_handlers
+from api.request_log import RequestLog
 from core import logs
 from tests.builders import TenantFactory, TenantKey, tenant_factory
 from tests.embedded_app import MODEL, EmbeddedApp, datum, embedded_app
@@ -198,6 +202,32 @@ def test_errors_carry_the_request_id_and_no_tenant_without_a_key(app: EmbeddedAp
     assert lines.access("no-key")["status"] == 401
     assert "tenant_id" not in lines.access("no-key")
     assert lines.access("nowhere")["route"] == "<unmatched>"
+
+
+def test_an_unexpected_fault_answers_500_with_the_request_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Starlette answers such a fault outside every middleware: its handler adds the id."""
+    bare = FastAPI()
+    install_error_handlers(bare)
+    bare.add_middleware(RequestLog)
+
+    @bare.get("/boom/{n}")
+    def _boom(n: int) -> None:
+        raise RuntimeError("a bug")
+
+    with (
+        captured() as lines,
+        caplog.at_level(logging.ERROR, logger="api.errors"),
+        TestClient(bare, raise_server_exceptions=False) as client,
+    ):
+        response = client.get("/boom/7", headers={"X-Request-Id": "fault-1"})
+    assert (response.status_code, response.headers["X-Request-Id"]) == (500, "fault-1")
+    (fault,) = [r for r in caplog.records if r.name == "api.errors"]
+    assert fault.getMessage() == "unhandled error in request fault-1" and fault.exc_info
+    assert fault.__dict__["request_id"] == "fault-1"
+    line = lines.access("fault-1")
+    assert (line["status"], line["route"]) == (500, "/boom/{n}")
 
 
 def test_no_line_holds_any_part_of_the_key(app: EmbeddedApp, tenant: TenantKey) -> None:
