@@ -281,14 +281,15 @@ def requeue(
     max_attempts: int,
     now: datetime,
     counted: bool = True,
-) -> None:
+) -> list[Operation]:
     """Queue again the ops this worker claimed and could not record (a failed engine step), or
-    give up on those tried `max_attempts` times.
+    give up on those tried `max_attempts` times; returns those given up.
 
     With `counted` false the claim is taken back instead (a worker stopping on purpose): the
     op was not interrupted by anything of its own, so it is neither given up nor made to run
     alone for it.
     """
+    given_up = []
     for op_id in op_ids:
         op = db.get(Operation, op_id, options=[defer(Operation.payload)])
         if op is None or op.status != OpStatus.RUNNING or op.worker_id != worker_id:
@@ -297,8 +298,10 @@ def requeue(
             op.status, op.attempts = OpStatus.QUEUED, max(op.attempts - 1, 0)
         elif op.attempts >= max_attempts:
             give_up(db, op, now)
+            given_up.append(op)
         else:
             op.status = OpStatus.QUEUED
+    return given_up
 
 
 def queued_targets(db: OrmSession, target_ids: set[str]) -> set[str]:

@@ -452,7 +452,7 @@ class WorkerHost:
         they stay claimed and unrecorded, and the next step tries again."""
         try:
             with self.database.transaction() as db:
-                oplog.requeue(
+                given_up = oplog.requeue(
                     db,
                     [task.id for task in tasks],
                     worker_id=self.worker_id,
@@ -460,9 +460,12 @@ class WorkerHost:
                     now=self.clock.now(),
                     counted=counted,
                 )
+                recorded = [metrics.RecordedOp.of(op, ()) for op in given_up]
         except Exception:
             log.exception("could not release %d operations; retrying at the next step", len(tasks))
             return
+        for given in recorded:
+            metrics.observe_recorded(given)
         for task in tasks:
             self._unrecorded.pop(task.id, None)
             self.notifier.publish(task.id)
@@ -563,6 +566,9 @@ class WorkerHost:
                 )
                 if r.op.attempts > 1:
                     self._alone = r.op.id
+            recorded = [metrics.RecordedOp.of(op, ()) for op in given_up]
+        for given in recorded:
+            metrics.observe_recorded(given)
         for op in given_up:
             self.notifier.publish(op.id)
         return tasks, len(given_up)

@@ -1,6 +1,6 @@
 """What a worker host claims, called directly on each database: per run the op whose seq_id
 comes next, an unload once nothing precedes it, released gaps, samples oldest first, and ops
-interrupted too often (given up) or before (claimed alone).
+interrupted too often (given up, and counted finished) or before (claimed alone).
 
 The engine is real (`treadle/tiny-1m` on the CPU) and executes the runs' creations; the ops
 under test are only claimed, never executed, so each claim is seen as the host made it.
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from scheduler.oplog import UNLOAD_SEQ
 from scheduler.ops import OpKind
@@ -168,14 +169,32 @@ def test_an_op_claimed_max_attempts_times_is_given_up_and_its_run_goes_on(
     for _ in range(2):  # claimed, then the worker dies and restarts with the op running
         assert _claim(host) == [(run, 1)]
         host = make_host(max_attempts=2)  # registering requeues what it left running
+    finished = {"kind": "optim_step", "outcome": "failed", "category": "server"}
+    before = REGISTRY.get_sample_value("treadle_ops_finished_total", finished) or 0.0
     tasks, given_up = host._claim()
     assert (tasks, given_up) == ([], 1)
+    # Given up is finished: counted once, as the server's failure, so none stays in flight.
+    assert REGISTRY.get_sample_value("treadle_ops_finished_total", finished) == before + 1
     op = rows.op(poison)
     assert (op.status, op.error_category, op.attempts) == ("failed", "server", 2)
     assert op.error_message is not None
     assert "interrupted 2 times" in op.error_message and "given up" in op.error_message
     assert rows.training_run(run).executed_seq_id == 1
     assert _claim(host) == [(run, 2)]
+
+
+def test_an_op_released_after_its_last_attempt_is_given_up_and_counted(
+    rows: Rows, make_host: HostFactory
+) -> None:
+    host = make_host(max_attempts=1)
+    [run] = _created(rows, host, 1)
+    step = rows.training_op(run, 1).request_id
+    tasks, _ = host._claim()
+    finished = {"kind": "optim_step", "outcome": "failed", "category": "server"}
+    before = REGISTRY.get_sample_value("treadle_ops_finished_total", finished) or 0.0
+    host._requeue(tasks, counted=True)  # as after a failed engine step
+    assert REGISTRY.get_sample_value("treadle_ops_finished_total", finished) == before + 1
+    assert rows.op(step).status == "failed"
 
 
 def test_an_interrupted_op_is_claimed_alone(rows: Rows, make_host: HostFactory) -> None:
