@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing import jobs as billing_jobs
@@ -23,7 +23,8 @@ from core.clock import Clock
 from core.db import Database
 from core.settings import Settings
 from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
-from scheduler import artifact_gc, metrics, oplog, retention, workers
+from scheduler import artifact_gc, fleet, metrics, oplog, retention, workers
+from scheduler.fleet_gauges import FleetGauges
 from scheduler.placement import live_servers, place
 
 log = logging.getLogger(__name__)
@@ -206,15 +207,14 @@ def log_heartbeat(
     try:
         with database.reader() as db:
             live = len(workers.live(db, clock.now()))
-            queued = db.scalar(
-                select(func.count())
-                .select_from(Operation)
-                .where(Operation.status == OpStatus.QUEUED)
-            )
+            queued = fleet.queued_by_worker(db)
     except Exception as exc:
         seen = f"workers and queue unknown, the database did not answer ({type(exc).__name__})"
     else:
-        seen = f"{live} workers live, {queued} ops queued"
+        seen = (
+            f"{live} workers live, {sum(queued.values())} ops queued "
+            f"({queued.get(None, 0)} on no worker yet)"
+        )
     log.info("beat alive: %d ticks in %.0f s (%d failed), %s", ticks, seconds, failed, seen)
 
 
@@ -232,7 +232,8 @@ def run_beat(
     database = Database(settings.resolved_database_url)
     unplaced = UnplacedTargets()
     stop = stop or threading.Event()
-    metrics_port = metrics.serve_port(settings, metrics.beat_registry(database, clock))
+    gauges = FleetGauges(database, clock)
+    metrics_port = metrics.serve_port(settings, metrics.beat_registry(gauges))
     log.info("beat running every %.1f s", interval_seconds)
     # Alive from the start: the first tick runs every periodic job at once and may be long.
     liveness.touch(settings.liveness_file)
@@ -254,4 +255,5 @@ def run_beat(
             since = time.monotonic()
         if stop.wait(max(0.0, interval_seconds - (time.monotonic() - started))):
             metrics.stop_port(metrics_port)
+            gauges.close()
             return

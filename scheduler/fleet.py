@@ -11,7 +11,7 @@ alive (`scheduler.workers`), and the worker's rule that a run's ops execute in s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, case, func, or_, select
@@ -29,10 +29,14 @@ from core.tables import (
     Tenant,
     TrainingRun,
     Worker,
+    WorkerStatus,
 )
 from scheduler import placement
 from scheduler.oplog import IN_FLIGHT, UNLOAD_SEQ
 from scheduler.workers import is_alive
+
+RUNNING = (WorkerStatus.LIVE, WorkerStatus.DRAINING)
+"""Workers that run: those shown one by one whatever they hold."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,15 +148,10 @@ def _op_activity(db: OrmSession, run_ids: list[str]) -> dict[str, tuple[int, dat
     }
 
 
-def workers(db: OrmSession, now: datetime) -> list[WorkerRow]:
-    """Every worker ever registered, by id: live, draining, dead or gone."""
-    placed = dict(
-        db.execute(
-            select(TrainingRun.worker_id, func.count())
-            .where(TrainingRun.status.in_(core_runs.HOLDING), TrainingRun.worker_id.is_not(None))
-            .group_by(TrainingRun.worker_id)
-        ).all()
-    )
+def queued_by_worker(db: OrmSession) -> dict[str | None, int]:
+    """Queued operations by the worker their run or sampler is placed on (None: placed on no
+    worker yet, or gone), as the worker claiming them sees it. The counts come from one
+    statement, so they add up to the queue whatever commits meanwhile."""
     queued = dict(
         db.execute(
             select(Operation.target_id, func.count())
@@ -160,10 +159,43 @@ def workers(db: OrmSession, now: datetime) -> list[WorkerRow]:
             .group_by(Operation.target_id)
         ).all()
     )
-    queued_on: dict[str, int] = {}
-    for target_id, target in _targets(db, queued).items():
-        if target.worker_id is not None:
-            queued_on[target.worker_id] = queued_on.get(target.worker_id, 0) + queued[target_id]
+    targets = _targets(db, queued)
+    on: dict[str | None, int] = {}
+    for target_id, count in queued.items():
+        target = targets.get(target_id)
+        worker_id = None if target is None else target.worker_id
+        on[worker_id] = on.get(worker_id, 0) + count
+    return on
+
+
+def workers(
+    db: OrmSession,
+    now: datetime,
+    *,
+    queued: Mapping[str | None, int] | None = None,
+    shown_only: bool = False,
+) -> list[WorkerRow]:
+    """Every worker ever registered, by id: live, draining, dead or gone; with `shown_only`,
+    those that run (live or draining) or still have ops queued on them. `queued` is
+    `queued_by_worker`'s answer when the caller read it already."""
+    queued = queued_by_worker(db) if queued is None else queued
+    query = select(Worker).order_by(Worker.id)
+    if shown_only:
+        holding = [worker_id for worker_id, count in queued.items() if worker_id and count]
+        query = query.where(or_(Worker.status.in_(RUNNING), Worker.id.in_(holding)))
+    found = db.scalars(query).all()
+    placed = dict(
+        db.execute(
+            select(TrainingRun.worker_id, func.count())
+            .where(
+                TrainingRun.status.in_(core_runs.HOLDING),
+                TrainingRun.worker_id.in_([w.id for w in found])
+                if shown_only
+                else TrainingRun.worker_id.is_not(None),
+            )
+            .group_by(TrainingRun.worker_id)
+        ).all()
+    )
     return [
         WorkerRow(
             worker_id=w.id,
@@ -174,9 +206,9 @@ def workers(db: OrmSession, now: datetime) -> list[WorkerRow]:
             runs_placed=placed.get(w.id, 0),
             runs_reported=w.held_runs,
             adapter_bytes=w.adapter_bytes,
-            queued_ops=queued_on.get(w.id, 0),
+            queued_ops=queued.get(w.id, 0),
         )
-        for w in db.scalars(select(Worker).order_by(Worker.id))
+        for w in found
     ]
 
 

@@ -22,8 +22,6 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from billing.ledger import UsageLine
-from core.clock import Clock
-from core.db import Database
 from core.errors import ConfigurationError
 from core.settings import Settings
 from core.tables import Operation, OpStatus
@@ -181,10 +179,10 @@ def registry_with(*collectors: Collector) -> CollectorRegistry:
     return registry
 
 
-def beat_registry(database: Database, clock: Clock) -> CollectorRegistry:
+def beat_registry(gauges: FleetGauges) -> CollectorRegistry:
     """What beat serves: its process's metrics, its failover count and the fleet's gauges
     (beat is the one distributed process exporting them)."""
-    return registry_with(FAILOVERS, FleetGauges(database, clock))
+    return registry_with(FAILOVERS, gauges)
 
 
 def serve_port(settings: Settings, registry: CollectorRegistry = REGISTRY) -> WSGIServer | None:
