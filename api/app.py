@@ -96,6 +96,8 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         metrics_port = scheduler_metrics.serve_port(settings, metrics_registry)
+        if settings.metrics_token is None:
+            logger.info(api_metrics.OFF_HINT)
         state.dispatcher.start()
         if isinstance(notifier, RedisNotifier):
             notifier.start_listening()
@@ -122,6 +124,8 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
                 notifier.stop()
             state.readiness.close()
             scheduler_metrics.stop_port(metrics_port)
+            for gauges in fleet:
+                gauges.close()
             database.dispose()
 
     app = FastAPI(title="Treadle", version="0.1.0", lifespan=lifespan)

@@ -3,9 +3,9 @@ submitted, and the `/metrics` route that serves them with the process's other me
 
 Labels name the route's template (`/api/v1/training_runs/{run_id}`), never the URL a client
 sent, so ids never become series. `/metrics` on the API's own port needs
-`Authorization: Bearer <TREADLE_METRICS_TOKEN>`, and answers 404 while no token is set (off by
-default on the public port); TREADLE_METRICS_PORT serves the same metrics on a separate port
-without a token. The route is left out of the OpenAPI document: it is for operators' scrapers,
+`Authorization: Bearer <TREADLE_METRICS_TOKEN>`, and while no token is set answers the 404 of
+any unknown path (off by default on the public port; the app logs how to turn it on as it
+starts); TREADLE_METRICS_PORT serves the same metrics on a separate port without a token. The route is left out of the OpenAPI document: it is for operators' scrapers,
 not for clients. What the host records is counted by `scheduler.metrics`; the fleet's gauges
 (`scheduler.fleet_gauges`) are added by the embedded server only: in distributed mode beat
 exports them.
@@ -18,16 +18,15 @@ import secrets
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 from sqlalchemy.orm import Session as OrmSession
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import State
-from core.errors import AuthenticationFailed, NotFound
 from core.settings import Settings
-from core.tables import Operation
+from core.tables import Operation, OpStatus
 from scheduler.submit import Submitted
 
 UNMATCHED = "<unmatched>"
@@ -41,7 +40,24 @@ REQUEST_SECONDS = Histogram(
     "Time to answer a request, from its arrival to its last byte, by route template, method "
     "and status class (2xx, 4xx, ...); long-polls of futures last up to TREADLE_LONG_POLL_SECONDS.",
     ["route", "method", "status_class"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+    buckets=(
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1.0,
+        2.5,
+        5.0,
+        10.0,
+        30.0,
+        60.0,
+        120.0,
+        300.0,
+        600.0,
+    ),
 )
 REFUSALS = Counter(
     "treadle_http_refusals_total",
@@ -51,7 +67,8 @@ REFUSALS = Counter(
 )
 OPS_SUBMITTED = Counter(
     "treadle_ops_submitted_total",
-    "Operations queued by this API process, by kind (a resubmitted request is not counted again).",
+    "Operations queued by this API process, by kind (a resubmitted request is not counted "
+    "again, nor one failed as it arrived).",
     ["kind"],
 )
 
@@ -65,10 +82,15 @@ def route_template(scope: Scope) -> str:
 
 
 def _reason(body: bytes) -> str:
+    """The error code of an answer's body: Treadle's `{"code": ...}`, or under `/oai/` OpenAI's
+    `{"error": {"code": ...}}`."""
     try:
-        code = json.loads(body).get("code")
-    except (ValueError, AttributeError):
+        answer = json.loads(body)
+    except ValueError:
         return "unknown"
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        answer = answer["error"]
+    code = answer.get("code") if isinstance(answer, dict) else None
     return code if isinstance(code, str) else "unknown"
 
 
@@ -108,11 +130,14 @@ class RequestMetrics:
 
 def new_op_kind(db: OrmSession, submitted: Submitted) -> str | None:
     """The kind of the op just queued, to count once the submission commits; None for a
-    resubmission. The op is in the session's identity map: no query is made."""
+    resubmission, or for a request failed as it arrived (a training request whose seq_id came
+    after its gap was released): it never waits in the queue, and no worker records it, so
+    submitted minus finished stays the ops in flight. The op is in the session's identity map:
+    no query is made."""
     if submitted.duplicate:
         return None
     op = db.get(Operation, submitted.request_id)
-    return None if op is None else op.kind
+    return None if op is None or op.status != OpStatus.QUEUED else op.kind
 
 
 def count_submitted(kind: str | None) -> None:
@@ -123,21 +148,29 @@ def count_submitted(kind: str | None) -> None:
 router = APIRouter()
 
 
+OFF_HINT = (
+    "/metrics is off on the API's port: set TREADLE_METRICS_TOKEN to serve it there to scrapers "
+    "sending `Authorization: Bearer <token>`, or TREADLE_METRICS_PORT to serve it on a separate "
+    "port"
+)
+"""Logged as the app starts without a token; never answered, so callers learn nothing."""
+
+
 def check_token(settings: Settings, authorization: str | None) -> None:
-    """Refuse a scrape of the API's port without the metrics token, or any while none is set."""
+    """Refuse a scrape of the API's port without the metrics token, or any while none is set
+    (answered as an unknown path)."""
     if settings.metrics_token is None:
-        raise NotFound(
-            "metrics are off on this port: set TREADLE_METRICS_TOKEN to serve /metrics here to "
-            "scrapers sending `Authorization: Bearer <token>`, or TREADLE_METRICS_PORT to serve "
-            "them on a separate port"
-        )
-    expected = f"Bearer {settings.metrics_token.get_secret_value()}"
-    if authorization is None or not secrets.compare_digest(
-        authorization.encode(), expected.encode()
-    ):
-        raise AuthenticationFailed(
-            "/metrics needs `Authorization: Bearer <token>` with the server's "
-            "TREADLE_METRICS_TOKEN; send that header"
+        raise HTTPException(status_code=404)
+    scheme, _, token = (authorization or "").partition(" ")
+    expected = settings.metrics_token.get_secret_value()
+    # The token is compared in constant time whatever the scheme, so timing tells nothing.
+    matches = secrets.compare_digest(token.strip().encode(), expected.encode())
+    if scheme.lower() != "bearer" or not matches:
+        raise HTTPException(
+            status_code=401,
+            detail="/metrics needs `Authorization: Bearer <token>` with the server's "
+            "TREADLE_METRICS_TOKEN; send that header",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 

@@ -232,8 +232,8 @@ def in_submission(state: AppState, work: Work) -> tuple[str, Submitted]:
         target_id, submitted = work(db)
         worker = state.dispatcher.assign(db, target_id)
         kind = metrics.new_op_kind(db, submitted)
-    state.dispatcher.wake(worker)
     metrics.count_submitted(kind)
+    state.dispatcher.wake(worker)
     request_context.note_op(submitted.request_id, target_id)
     return target_id, submitted
 
