@@ -47,6 +47,9 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
 
     # Until the engine is loaded and the lease renewed, the probe must fail.
     liveness.forget(settings.liveness_file)
+    # What this worker's host records (`scheduler.metrics`). Bound first: a port taken stops
+    # the worker before it registers, so beat never counts it as a failover.
+    metrics.serve_port(settings)
     clock = SystemClock()
     database = Database(settings.resolved_database_url)
     store = open_store(settings)
@@ -112,7 +115,6 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     threading.Thread(
         target=artifact_cache.keep_trimmed, args=cache_job, name="treadle-cache", daemon=True
     ).start()
-    metrics.serve_port(settings)  # what this worker's host records (`scheduler.metrics`)
     app = make_celery(settings)
     register_tasks(app)
     log.info(
