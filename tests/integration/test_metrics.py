@@ -6,6 +6,7 @@ metrics that exist."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import Counter
@@ -18,9 +19,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 import treadle
+from api import metrics as api_metrics
 from billing.tables import UsageEvent
-from core.tables import Operation
+from core.tables import Operation, TrainingRun
+from scheduler import fleet
 from scheduler.beat import run_beat
+from scheduler.fleet_gauges import FleetGauges
 from scheduler.metrics import TOKEN_KINDS
 from tests.builders import make_settings, tenant_factory
 from tests.e2e.treadle_data import MODEL, sft_datum
@@ -39,12 +43,21 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "infra" / "grafana" / "treadle
 # --- protection ---------------------------------------------------------------------------------
 
 
-def test_metrics_are_off_on_the_api_port_without_a_token(app_factory: AppFactory) -> None:
-    with TestClient(app_factory()) as client:
+def test_metrics_are_off_on_the_api_port_without_a_token(
+    app_factory: AppFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="api.app"), TestClient(app_factory()) as client:
         response = client.get("/metrics", headers=BEARER)
+        unknown = client.get("/no-such-path")
+    # Answered as any unknown path: an anonymous caller learns nothing of the settings.
     assert response.status_code == 404
-    assert "TREADLE_METRICS_TOKEN" in response.json()["detail"]
-    assert "TREADLE_METRICS_PORT" in response.json()["detail"]
+    assert response.json() == {
+        **unknown.json(),
+        "detail": "no endpoint at /metrics; /openapi.json lists the endpoints",
+    }
+    assert "TREADLE_METRICS" not in response.text
+    hints = [r.getMessage() for r in caplog.records if "TREADLE_METRICS_TOKEN" in r.getMessage()]
+    assert len(hints) == 1 and "TREADLE_METRICS_PORT" in hints[0]
 
 
 def test_metrics_need_the_bearer_token(app_factory: AppFactory) -> None:
@@ -52,8 +65,17 @@ def test_metrics_need_the_bearer_token(app_factory: AppFactory) -> None:
         assert client.get("/metrics").status_code == 401
         wrong = client.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}x"})
         assert wrong.status_code == 401
+        assert wrong.headers["WWW-Authenticate"] == "Bearer"
         assert "TREADLE_METRICS_TOKEN" in wrong.json()["detail"]
         assert client.get("/metrics", headers={"Authorization": TOKEN}).status_code == 401
+        basic = client.get("/metrics", headers={"Authorization": f"Basic {TOKEN}"})
+        assert basic.status_code == 401
+        # The scheme is case-insensitive (RFC 9110), the token is not.
+        lower = client.get("/metrics", headers={"Authorization": f"bearer {TOKEN}"})
+        assert lower.status_code == 200
+        assert (
+            client.get("/metrics", headers={"Authorization": "Bearer x" + TOKEN}).status_code == 401
+        )
         response = client.get("/metrics", headers=BEARER)
         schema = client.get("/openapi.json").json()
     assert response.status_code == 200
@@ -201,32 +223,56 @@ def test_requests_are_labelled_by_route_template(
 
 def test_fleet_gauges_show_the_open_session(loop: tuple[Samples, Samples]) -> None:
     _, after = loop
+    # The loop's one session and one training run are the server's only ones (module scope).
     assert after[("treadle_fleet_up", frozenset())] == 1
-    assert after[("treadle_active_sessions", frozenset())] >= 1
-    assert after[("treadle_live_training_runs", frozenset())] >= 1
+    assert after[("treadle_active_sessions", frozenset())] == 1
+    assert after[("treadle_live_training_runs", frozenset())] == 1
     assert after[("treadle_unplaced_queued_ops", frozenset())] == 0
 
 
-def test_the_dashboard_queries_only_exported_metrics(loop: tuple[Samples, Samples]) -> None:
+def _labels_by_metric(samples: Samples) -> dict[str, set[str]]:
+    """The label names each exported sample name carries."""
+    labels: dict[str, set[str]] = {}
+    for name, labelset in samples:
+        labels.setdefault(name, set()).update(label for label, _ in labelset)
+    return labels
+
+
+def test_the_dashboard_queries_only_exported_metrics_and_labels(
+    loop: tuple[Samples, Samples],
+) -> None:
     _, after = loop
-    exported = {name for name, _ in after}
+    exported = _labels_by_metric(after)
     # Beat's own counter is exported by beat alone (test_beat_serves_the_fleet_and_failovers).
-    exported.add("treadle_worker_failovers_total")
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [
-        target["expr"]
-        for panel in dashboard["panels"]
+    exported["treadle_worker_failovers_total"] = set()
+    targets = [
+        target
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
         for target in panel.get("targets", [])
         if "expr" in target
     ]
-    assert len(exprs) >= 10
-    names = {name for expr in exprs for name in re.findall(r"treadle_[a-z_]+", expr)}
-    missing = {
-        name
-        for name in names
-        if not any(name + suffix in exported for suffix in ("", "_bucket", "_sum", "_count"))
-    }
+    assert len(targets) >= 10
+    missing, unlabelled = set(), set()
+    for target in targets:
+        names = set(re.findall(r"treadle_[a-z_]+", target["expr"]))
+        carried: set[str] = set()
+        for name in names:
+            found = [
+                exported[name + suffix]
+                for suffix in ("", "_bucket", "_sum", "_count")
+                if name + suffix in exported
+            ]
+            if not found:
+                missing.add(name)
+            carried.update(*found)
+        used = {
+            label.strip()
+            for grouping in re.findall(r"by \(([^)]*)\)", target["expr"])
+            for label in grouping.split(",")
+        } | set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+        unlabelled |= {(label, target["expr"]) for label in used - carried}
     assert not missing, f"the dashboard queries metrics nothing exports: {sorted(missing)}"
+    assert not unlabelled, f"the dashboard uses labels its metrics lack: {sorted(unlabelled)}"
 
 
 # --- beat ---------------------------------------------------------------------------------------
@@ -267,3 +313,63 @@ def test_beat_serves_the_fleet_and_failovers(tmp_path: Path, sqlite_url: str) ->
     # A dead worker with nothing queued on it has no series of its own.
     assert set(by(last, "treadle_worker_adapter_bytes", "worker")) == {("w-staying",)}
     assert not reachable(url)  # beat stopped serving as it returned
+
+
+# --- the fleet's gauges and the submitted count, from rows ---------------------------------------
+
+
+def _gauges(rows: Rows) -> Samples:
+    gauges = FleetGauges(rows.database, rows.clock)
+    try:
+        return {
+            (sample.name, frozenset(sample.labels.items())): sample.value
+            for family in gauges.collect()
+            for sample in family.samples
+        }
+    finally:
+        gauges.close()
+
+
+def test_the_fleet_gauges_split_the_queue_by_worker_exactly(database_url: str) -> None:
+    rows = Rows(migrated(database_url))
+    rows.worker("w-live", [MODEL])
+    rows.worker("w-stranded", [MODEL], dead=True)
+    rows.worker("w-gone", [MODEL], dead=True)
+    tenant = rows.tenant()
+    placed, stranded, _unplaced = rows.run(tenant), rows.run(tenant), rows.run(tenant)
+    with rows.database.transaction() as db:
+        for run_id, worker_id in ((placed, "w-live"), (stranded, "w-stranded")):
+            run = db.get(TrainingRun, run_id)
+            assert run is not None
+            run.worker_id = worker_id
+    rows.training_op(placed, 1)  # each run's create_model op is queued too
+    samples = _gauges(rows)
+    assert samples[("treadle_fleet_up", frozenset())] == 1
+    assert by(samples, "treadle_worker_queued_ops", "worker") == {
+        ("w-live",): 2,
+        ("w-stranded",): 1,  # dead, but still holding queued ops: shown
+    }
+    assert samples[("treadle_unplaced_queued_ops", frozenset())] == 1
+    assert by(samples, "treadle_workers", "status") == {
+        ("live",): 1,
+        ("draining",): 0,
+        ("dead",): 2,
+        ("left",): 0,
+    }
+    assert samples[("treadle_active_sessions", frozenset())] == 3
+    with rows.database.reader() as db:
+        assert fleet.queued_by_worker(db) == {"w-live": 2, "w-stranded": 1, None: 1}
+        shown = fleet.workers(db, rows.clock.now(), shown_only=True)
+    assert [w.worker_id for w in shown] == ["w-live", "w-stranded"]
+
+
+def test_a_late_arrival_is_not_counted_as_submitted(sqlite_url: str) -> None:
+    rows = Rows(migrated(sqlite_url))
+    run = rows.run(rows.tenant())
+    rows.training_op(run, 5)
+    rows.executed(run, 5)  # seq 1..4 never came; their gap was released
+    late = rows.training_op(run, 3)  # failed as it arrives: never queued, never recorded
+    queued = rows.training_op(run, 6)
+    with rows.database.reader() as db:
+        assert api_metrics.new_op_kind(db, late) is None
+        assert api_metrics.new_op_kind(db, queued) == "optim_step"

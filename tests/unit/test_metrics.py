@@ -1,17 +1,23 @@
-"""The scheduler's metrics without a server: what is counted of a recorded op, the fleet gauges
-when the database does not answer, the metrics port a worker serves, and the settings."""
+"""The metrics without a server: what is counted of a recorded op and of a refusal, the fleet
+gauges when the database does not answer, the metrics port a worker serves (bound before it
+registers), and the settings."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+from starlette.types import Message, Receive, Scope, Send
 
+from api import metrics as api_metrics
 from billing.ledger import UsageLine
 from core.clock import FakeClock
 from core.db import Database
@@ -20,6 +26,7 @@ from core.settings import Settings
 from core.tables import Operation, OpStatus
 from scheduler import metrics
 from scheduler.fleet_gauges import FleetGauges
+from scheduler.worker import host, process
 from tests.services import free_port
 
 pytestmark = pytest.mark.unit
@@ -121,3 +128,88 @@ def test_metrics_token_settings() -> None:
     with pytest.raises(ValidationError, match="TREADLE_METRICS_TOKEN is too short"):
         Settings(metrics_token="short")
     assert Settings().metrics_host == "127.0.0.1" and Settings().metrics_port is None
+
+
+def test_fleet_gauges_log_an_outage_once(caplog: pytest.LogCaptureFixture) -> None:
+    gauges = FleetGauges(
+        Database(f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none"), FakeClock()
+    )
+    with caplog.at_level(logging.DEBUG, logger="scheduler.fleet_gauges"):
+        for _ in range(3):
+            list(gauges.collect())
+    gauges.close()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "reading the fleet gauges failed" in warnings[0].getMessage()
+
+
+async def _refuse(status: int, body: bytes, send: Send) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"detail": "slow down", "code": "rate_limited"}', "rate_limited"),
+        # Under /oai/ the error is OpenAI's shape (`api.errors.for_path`).
+        (b'{"error": {"message": "slow down", "code": "queue_full"}}', "queue_full"),
+        (b"not json", "unknown"),
+        (b"[1]", "unknown"),
+    ],
+)
+def test_a_refusal_is_counted_by_the_code_of_either_error_shape(body: bytes, reason: str) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await _refuse(429, body, send)
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: Message) -> None:
+        pass
+
+    labels = {"status": "429", "reason": reason, "route": api_metrics.UNMATCHED}
+    before = _value("treadle_http_refusals_total", **labels)
+    scope = {"type": "http", "method": "POST", "path": "/oai/v1/completions"}
+    asyncio.run(api_metrics.RequestMetrics(app)(scope, receive, send))
+    assert _value("treadle_http_refusals_total", **labels) == before + 1
+
+
+def test_request_latency_is_bucketed_up_to_ten_minutes() -> None:
+    before = _value(
+        "treadle_http_request_duration_seconds_bucket",
+        route="/x",
+        method="GET",
+        status_class="2xx",
+        le="600.0",
+    )
+    api_metrics.REQUEST_SECONDS.labels("/x", "GET", "2xx").observe(400)
+    assert (
+        _value(
+            "treadle_http_request_duration_seconds_bucket",
+            route="/x",
+            method="GET",
+            status_class="2xx",
+            le="600.0",
+        )
+        == before + 1
+    )
+
+
+def test_a_worker_binds_its_metrics_port_before_it_registers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def start_host(*_: object, **__: object) -> None:
+        raise AssertionError("the worker registered before its metrics port was bound")
+
+    monkeypatch.setattr(host, "start_host", start_host)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings = Settings(
+            metrics_port=taken.getsockname()[1],
+            liveness_file=tmp_path / "alive",
+            redis_url="redis://127.0.0.1:1/0",
+        )
+        with pytest.raises(ConfigurationError, match="set TREADLE_METRICS_PORT to a free port"):
+            process.run_worker(settings, worker_id="w-1", models=["treadle/tiny-1m"])
