@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
+from sqlalchemy import insert
+
+from billing.rollups import RolledEvent, add_to_rollups
+from billing.spend import add_spend
+from billing.tables import UsageEvent
 from core import apikeys, tenants
 from core.clock import Clock, SystemClock
 from core.db import Database
@@ -62,3 +68,37 @@ def tenant_factory(
             return TenantKey(tenant.id, tenant.name, row.id, key)
 
     return create
+
+
+def record(
+    database: Database,
+    key: TenantKey,
+    hour: datetime,
+    *,
+    kind: str = "training",
+    model: str = "m/a",
+    quantity: int,
+    amount_micros: int,
+) -> None:
+    """One priced usage event in the ledger, its rollup and its period's spend, as
+    `billing.ledger.record_usage` writes them (without an operation row behind it)."""
+    with database.transaction() as db:
+        db.execute(
+            insert(UsageEvent),
+            {
+                "tenant_id": key.tenant_id,
+                "api_key_id": key.key_id,
+                "kind": kind,
+                "base_model": model,
+                "quantity": quantity,
+                "cached_quantity": 0,
+                "amount_micros": amount_micros,
+                "hour": hour,
+                "created_at": hour,
+            },
+        )
+        event = RolledEvent(
+            key.tenant_id, hour, key.key_id, None, model, kind, None, quantity, 0, amount_micros
+        )
+        add_to_rollups(db, [event])
+        add_spend(db, key.tenant_id, hour, amount_micros)

@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.builders import TenantKey
-from tests.integration.test_admin_dashboard import record
+from tests.builders import TenantKey, record
 from tests.server import LiveServer
 
 pytestmark = pytest.mark.e2e

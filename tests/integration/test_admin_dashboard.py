@@ -16,18 +16,15 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import insert, select
+from sqlalchemy import select
 
 from api.admin import cookies
-from billing.rollups import RolledEvent, add_to_rollups
-from billing.spend import add_spend
-from billing.tables import UsageEvent
 from core.clock import FakeClock
 from core.db import Database
 from core.tables import AuditLog, Tenant
 from scheduler import oplog
 from scheduler.failures import OpFailure
-from tests.builders import TenantKey, tenant_factory
+from tests.builders import TenantKey, record, tenant_factory
 from tests.scheduling import Rows
 from tests.server import AppFactory
 
@@ -36,40 +33,6 @@ pytestmark = pytest.mark.integration
 NOW = datetime(2026, 3, 10, 12, 30, tzinfo=UTC)
 DAY = datetime(2026, 3, 9, tzinfo=UTC)  # the day before NOW: all seeded usage is in it or NOW's
 EXTERNAL = re.compile(r"https?://|[\"'(=]\s*//", re.IGNORECASE)
-
-
-def record(
-    database: Database,
-    key: TenantKey,
-    hour: datetime,
-    *,
-    kind: str = "training",
-    model: str = "m/a",
-    quantity: int,
-    amount_micros: int,
-) -> None:
-    """One priced usage event in the ledger, its rollup and its period's spend, as
-    `billing.ledger.record_usage` writes them (without an operation row behind it)."""
-    with database.transaction() as db:
-        db.execute(
-            insert(UsageEvent),
-            {
-                "tenant_id": key.tenant_id,
-                "api_key_id": key.key_id,
-                "kind": kind,
-                "base_model": model,
-                "quantity": quantity,
-                "cached_quantity": 0,
-                "amount_micros": amount_micros,
-                "hour": hour,
-                "created_at": hour,
-            },
-        )
-        event = RolledEvent(
-            key.tenant_id, hour, key.key_id, None, model, kind, None, quantity, 0, amount_micros
-        )
-        add_to_rollups(db, [event])
-        add_spend(db, key.tenant_id, hour, amount_micros)
 
 
 @dataclass
