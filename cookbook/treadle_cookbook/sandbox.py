@@ -1,27 +1,38 @@
 """Run untrusted, model-written Python in a child process with limits.
 
 Code RL grades completions by running them, so a completion may loop forever, allocate all
-memory, fork without end, open connections or write over the host's files. `run_python` runs
-one program against one stdin and contains each of those:
+memory, fork without end, leave processes behind, open connections or write over the host's
+files. `run_python` runs one program against one stdin and contains each of those:
 
-- time: a wall-clock deadline enforced here, and RLIMIT_CPU in the child (SIGXCPU, then SIGKILL);
-- memory: RLIMIT_AS (an allocation past it fails with MemoryError in the child);
+- time: a wall-clock deadline enforced here, and RLIMIT_CPU in the child (SIGKILL a second
+  past it; the program ignores SIGXCPU as pid 1 of its namespace, and gets it first without);
+- memory: RLIMIT_AS (an allocation past it fails with MemoryError). It holds per process and
+  no cgroup caps a run in total, so a run reserves at most `Limits.total_memory_bytes`, the
+  process limit times the memory limit (8 × 512 MiB = 4 GiB by default), plus its tmpfs mounts;
 - processes: RLIMIT_NPROC. Linux counts it per user, and never enforces it for root, so when this
   process is root the child runs as a dedicated unprivileged uid (`nobody`, 65534, by default).
   Every sandbox with the same uid shares that count: run them one at a time, or give concurrent
   sandboxes distinct uids;
+- leftovers: where namespaces work, the program runs as pid 1 of a new PID namespace, so every
+  process it starts, even one that left its session with setsid(), is killed when it ends or is
+  killed; it sees only its own processes in /proc (remounted when root). Where namespaces are
+  refused, the child leads a process group killed at the end, which setsid() escapes;
 - file size: RLIMIT_FSIZE (Python ignores SIGXFSZ, so a write past it fails with EFBIG);
 - network: when root, a new, empty network namespace (only a loopback that is down). Without
   root the child tries an unprivileged user namespace for the same; where neither is possible
   an audit hook refuses sockets and process launches inside the Python interpreter. That
   fallback is weaker: native code (ctypes, an extension module) goes around it;
-- files: a private working folder (the cwd, HOME and TMPDIR), removed afterwards. When root,
-  the uid cannot write the host's folders, and /tmp, /var/tmp and /dev/shm, which every uid
-  can write, are fresh, small tmpfs mounts in a private mount namespace, with the working folder
-  bound back in at its own path. Without root the child writes wherever this process's user can;
-- output: stdout and stderr are read up to a cap; a program that writes more is killed;
-- cleanup: the child leads its own process group, killed with SIGKILL at the end. A process that
-  leaves the group with setsid() escapes that kill, though not its CPU limit.
+- files: a private working folder (the cwd, HOME and TMPDIR), removed afterwards. When root, in
+  a private mount namespace, the working folder is a tmpfs of `Limits.tmpfs_bytes` in total,
+  /tmp, /var/tmp, /dev/shm and /run (which every uid can write, or which hold the host's unix
+  sockets) are fresh tmpfs mounts of the same size, and the uid cannot write the host's other
+  folders. Without root the child writes wherever this process's user can;
+- output: stdout and stderr are read up to a cap; a program that writes more is killed.
+
+Nothing runs in the forked child before exec: it execs `_LAUNCHER` in a fresh interpreter,
+which enters the namespaces, mounts, sets the limits, drops to the sandbox uid and then execs
+the program. (This process may have threads, and a fork of a threaded process must not run
+Python.)
 
 The interpreter is the system's `python3` when this process's own interpreter lies in a folder
 the sandbox uid cannot enter (a pyenv under /root); pass `python=` to choose. It starts with
@@ -33,11 +44,9 @@ This module knows nothing of problems, tests or rewards: see `code_tasks`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import functools
+import json
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -46,7 +55,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
@@ -55,18 +63,102 @@ NetworkIsolation = Literal["namespace", "audit_hook"]
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
-_MS_NOSUID = 0x2
-_MS_NODEV = 0x4
-_MS_BIND = 0x1000
-_MS_REC = 0x4000
-_MS_PRIVATE = 0x40000
-_SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
-_EXEC_RETRIES = 40
+_COVERED = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
-# Runs first in the child: optionally installs the socket guard, then runs the program as
-# __main__ so tracebacks name solution.py.
-_LAUNCHER = """
+# Exec'd first, in a fresh single-threaded interpreter: argv[1] is `_plan`'s JSON, the rest the
+# program's argv. With namespaces it forks the program's process (pid 1 of the new PID
+# namespace) and waits, passing on how it ended; a failure before the program starts is written
+# to the `report` descriptor, which the program's exec closes.
+_LAUNCHER = r"""
+import ctypes, json, os, resource, select, signal, sys, time
+plan, program = json.loads(sys.argv[1]), sys.argv[2:]
+libc = ctypes.CDLL(None, use_errno=True)
+report = plan["report"]
+os.set_inheritable(report, False)
+
+def check(ok, what):
+    if not ok:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+def mount(source, target, fstype, flags, data=""):
+    args = [None if s is None else s.encode() for s in (source, target, fstype, data)]
+    check(libc.mount(args[0], args[1], args[2], flags, args[3]) == 0, f"mount on {target}")
+
+def private_folders(workdir, size, uid, gid):
+    nosuid, nodev, noexec, rec, private = 0x2, 0x4, 0x8, 0x4000, 0x40000
+    mount(None, "/", None, rec | private)
+    mount("proc", "/proc", "proc", nosuid | nodev | noexec)
+    host = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    for folder in plan["cover"]:
+        if os.path.isdir(folder):
+            mount("tmpfs", folder, "tmpfs", nosuid | nodev, f"size={size},mode=1777")
+    os.makedirs(workdir, exist_ok=True)
+    mount("tmpfs", workdir, "tmpfs", nosuid | nodev, f"size={size},mode=700,uid={uid},gid={gid}")
+    source = os.open("solution.py", os.O_RDONLY, dir_fd=host)
+    target = os.path.join(workdir, "solution.py")
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        dst.write(src.read())
+    os.chown(target, uid, gid)
+    os.close(host)
+
+def become_program(alive):
+    if plan["mount"]:
+        private_folders(plan["workdir"], plan["tmpfs_bytes"], plan["uid"], plan["gid"])
+    for name, soft, hard in plan["rlimits"]:
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    os.umask(0o077)
+    if plan["uid"] is not None:
+        os.setgroups([])
+        os.setgid(plan["gid"])
+        os.setuid(plan["uid"])
+    if alive is not None:
+        # Die with the launcher; set after setuid, which clears it. Readable: it already died.
+        check(libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0, "prctl(PR_SET_PDEATHSIG)")
+        if select.select([alive], [], [], 0)[0]:
+            os._exit(1)
+    os.chdir(plan["workdir"])
+    for _ in range(40):
+        try:
+            os.execv(program[0], program)
+        except BlockingIOError:  # the uid is at its process limit until the last run is reaped
+            time.sleep(0.05)
+    raise RuntimeError(
+        "the sandbox uid stayed at its process limit for 2 s: run sandboxes sharing a uid "
+        "one at a time, or give each a distinct Limits.uid"
+    )
+
+def launch():
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if not plan["unshare"]:
+        become_program(None)
+    check(libc.unshare(plan["unshare"]) == 0, "unshare")
+    alive, held = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(held)
+        become_program(alive)
+    os.close(report)
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        if number not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+try:
+    launch()
+except BaseException as error:
+    os.write(report, f"{type(error).__name__}: {error}".encode())
+    os._exit(1)
+"""
+
+# The program the launcher execs: optionally installs the socket guard, then runs solution.py
+# as __main__ so tracebacks name it.
+_RUNNER = """
 import runpy, sys
 if sys.argv[1] == "guard":
     _DENIED = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
@@ -87,12 +179,17 @@ class Limits:
     wall_time_s: float = 5.0
     cpu_time_s: int = 4
     memory_bytes: int = 512 * 2**20
-    processes: int = 32
+    processes: int = 8
     file_size_bytes: int = 2**20
     output_bytes: int = 64 * 2**10
     tmpfs_bytes: int = 16 * 2**20
     uid: int = 65534
     gid: int = 65534
+
+    @property
+    def total_memory_bytes(self) -> int:
+        """The most address space a run's processes can hold together (RLIMIT_AS is per process)."""
+        return self.processes * self.memory_bytes
 
 
 @dataclass(frozen=True)
@@ -120,65 +217,99 @@ def run_python(
     python: str | None = None,
     network: NetworkIsolation | None = None,
 ) -> SandboxResult:
-    """Run `code` as a program reading `stdin`; `network` forces one isolation (tests use it)."""
+    """Run `code` as a program reading `stdin`; `network` forces one isolation (tests use it).
+
+    Raises:
+        RuntimeError: the launcher could not start the program (a namespace or mount refused,
+            the sandbox uid at its process limit); the message says which.
+    """
     as_root = os.geteuid() == 0
-    network = network or ("namespace" if _namespaces_work(as_root) else "audit_hook")
+    python = python or _interpreter()
+    network = network or ("namespace" if _namespaces_work(python, as_root) else "audit_hook")
     workdir = Path(tempfile.mkdtemp(prefix="treadle-sandbox-"))
     try:
         (workdir / "solution.py").write_text(code)
         if as_root:
             os.chown(workdir, limits.uid, limits.gid)
             os.chown(workdir / "solution.py", limits.uid, limits.gid)
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(workdir),
-            "TMPDIR": str(workdir),
-            "LANG": "C.UTF-8",
-            "PYTHONIOENCODING": "utf-8",
-        }
-        argv = [
-            python or _interpreter(),
-            "-I",
-            "-S",
-            "-c",
-            _LAUNCHER,
-            "guard" if network == "audit_hook" else "open",
-            "solution.py",
-        ]
+        program = [python, "-I", "-S", "-c", _RUNNER]
+        program += ["guard" if network == "audit_hook" else "open", "solution.py"]
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode())
             stdin_file.seek(0)
-            child = _start(
-                argv, stdin_file, workdir, env, _child_setup(limits, workdir, as_root, network)
-            )
-            return _supervise(child, limits, network)
+            return _run(python, program, stdin_file, workdir, limits, as_root, network)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _start(
-    argv: list[str], stdin: IO[bytes], workdir: Path, env: dict[str, str], setup: Callable[[], None]
-) -> subprocess.Popen[bytes]:
-    """Start the child. exec fails with EAGAIN while the sandbox uid is over its process limit,
-    which the last run's killed processes hold until they are reaped: wait briefly for that."""
-    for _ in range(_EXEC_RETRIES):
-        try:
-            return subprocess.Popen(
-                argv,
-                stdin=stdin,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=workdir,
-                env=env,
-                start_new_session=True,
-                preexec_fn=setup,
-            )
-        except BlockingIOError:
-            time.sleep(0.05)
-    raise RuntimeError(
-        f"the sandbox uid stayed at its process limit for {_EXEC_RETRIES * 0.05:.0f} s: "
-        "run sandboxes sharing a uid one at a time, or give each a distinct Limits.uid"
-    )
+def _run(
+    python: str,
+    program: list[str],
+    stdin: IO[bytes],
+    workdir: Path,
+    limits: Limits,
+    as_root: bool,
+    network: NetworkIsolation,
+) -> SandboxResult:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(workdir),
+        "TMPDIR": str(workdir),
+        "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+    }
+    failure, report = os.pipe()
+    try:
+        plan = _plan(limits, workdir, as_root, network, report)
+        child = subprocess.Popen(
+            [python, "-I", "-S", "-c", _LAUNCHER, json.dumps(plan), *program],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=env,
+            start_new_session=True,
+            pass_fds=(report,),
+        )
+        os.close(report)
+        result = _supervise(child, limits, network)
+        os.set_blocking(failure, False)
+        with contextlib.suppress(BlockingIOError):
+            if message := os.read(failure, 4096).decode(errors="replace"):
+                raise RuntimeError(f"the sandbox could not start the program: {message}")
+        return result
+    finally:
+        os.close(failure)
+        with contextlib.suppress(OSError):
+            os.close(report)
+
+
+def _plan(
+    limits: Limits, workdir: Path, as_root: bool, network: NetworkIsolation, report: int
+) -> dict[str, object]:
+    """What the launcher does before it execs the program: namespaces and mounts need root's
+    capabilities, so they come before the limits and the switch to the sandbox uid."""
+    flags = 0
+    if network == "namespace":
+        flags = _CLONE_NEWNET | _CLONE_NEWPID | (_CLONE_NEWNS if as_root else _CLONE_NEWUSER)
+    cpu = limits.cpu_time_s
+    return {
+        "report": report,
+        "unshare": flags,
+        "mount": as_root and network == "namespace",
+        "cover": _COVERED,
+        "workdir": str(workdir),
+        "tmpfs_bytes": limits.tmpfs_bytes,
+        "uid": limits.uid if as_root else None,
+        "gid": limits.gid if as_root else None,
+        "rlimits": [
+            ("RLIMIT_CPU", cpu, cpu + 1),
+            ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
+            ("RLIMIT_FSIZE", limits.file_size_bytes, limits.file_size_bytes),
+            ("RLIMIT_NPROC", limits.processes, limits.processes),
+            ("RLIMIT_CORE", 0, 0),
+        ],
+    }
 
 
 def _supervise(
@@ -195,7 +326,8 @@ def _supervise(
     truncated = False
     while selector.get_map() and our_reason is None:
         if child.poll() is not None:
-            # Grandchildren may hold the pipes open; they end with the group.
+            # Without a PID namespace, grandchildren may hold the pipes open; they end with the
+            # group (with one, they ended with the program).
             _kill_group(child.pid)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -242,79 +374,19 @@ def _signal_reason(exit_code: int) -> str | None:
 
 
 def _kill_group(pgid: int) -> None:
+    """SIGKILL the launcher's group; with a PID namespace its program dies with the launcher."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _child_setup(
-    limits: Limits, workdir: Path, as_root: bool, network: NetworkIsolation
-) -> Callable[[], None]:
-    """The function the forked child runs before exec. Order matters: namespaces and mounts need
-    root's capabilities, so they come before the limits and the switch to the sandbox uid."""
-
-    def setup() -> None:
-        if network == "namespace":
-            if as_root:
-                _unshare(_CLONE_NEWNET | _CLONE_NEWNS)
-                _private_shared_folders(workdir, limits.tmpfs_bytes)
-            else:
-                _unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
-        cpu = limits.cpu_time_s
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_bytes,) * 2)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        os.umask(0o077)
-        if as_root:
-            os.setgroups([])
-            os.setgid(limits.gid)
-            os.setuid(limits.uid)
-
-    return setup
-
-
-def _private_shared_folders(workdir: Path, size_bytes: int) -> None:
-    """Cover the world-writable folders with fresh tmpfs mounts, then bind the working folder
-    (which lies in one of them) back at its own path, from a descriptor opened before."""
-    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    held = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
-    for folder in _SHARED_WRITABLE:
-        if os.path.isdir(folder):
-            _mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size_bytes},mode=1777")
-    os.makedirs(workdir, exist_ok=True)
-    _mount(f"/proc/self/fd/{held}", str(workdir), None, _MS_BIND)
-    os.close(held)
-    os.chdir(workdir)
-
-
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
-def _unshare(flags: int) -> None:
-    if _libc().unshare(flags) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"unshare({flags:#x}): {os.strerror(errno)}")
-
-
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
-    encoded = [None if s is None else s.encode() for s in (source, target, fstype, data)]
-    if _libc().mount(encoded[0], encoded[1], encoded[2], flags, encoded[3]) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
-
-
-@functools.cache
-def _namespaces_work(as_root: bool) -> bool:
-    """Whether this machine lets a child enter new namespaces (containers often refuse)."""
-    flags = _CLONE_NEWNET | (_CLONE_NEWNS if as_root else _CLONE_NEWUSER)
+def _namespaces_work(python: str, as_root: bool) -> bool:
+    """Whether this machine lets the launcher enter new namespaces and mount (containers often
+    refuse): one empty program run with them."""
     try:
-        subprocess.run(["/bin/true"], preexec_fn=lambda: _unshare(flags), check=True)
-    except (subprocess.SubprocessError, OSError):
+        return run_python("", python=python, network="namespace").ok
+    except (RuntimeError, OSError):
         return False
-    return True
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """The sandbox contains hostile programs, and code problems are graded and checked through it.
 
 Each hostile program runs with limits of about 2 s and is scored 0 by the reward; the test
-then checks the host: it can still fork, its memory did not grow, a marker outside the working
-folder was not written, nothing answered the connection. Reward and the two-turn
+then checks the host: the sandbox uid can still fork, no process of the run lives on, a marker
+outside the working folder was not written, nothing answered the connection. Reward and the two-turn
 `check_solution` flow are tested with scripted completions, no model.
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
-import subprocess
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -58,8 +57,28 @@ def test_fork_bomb_is_contained_and_the_host_can_still_fork() -> None:
     result = run_python(bomb, "", LIMITS)
     assert not result.ok and "BlockingIOError" in result.stderr, result
     assert_scored_zero(bomb)
-    assert subprocess.run(["true"], check=False).returncode == 0
-    assert not _processes_of(LIMITS.uid)
+    # Nothing of the bomb holds the uid's process slots: the next run can fork to its limit.
+    spawn = "import os\nfor _ in range({}):\n    if os.fork() == 0:\n        os._exit(0)\nprint('forked')"
+    after = run_python(spawn.format(LIMITS.processes - 2), "", LIMITS)
+    assert after.ok and after.stdout == "forked\n", after
+
+
+def test_a_process_that_left_the_session_dies_with_the_run() -> None:
+    if run_python("pass", "", LIMITS).network != "namespace":
+        pytest.skip("without namespaces a setsid() process escapes the process group's kill")
+    # A sleeper that keeps stdout open would hold the run to its wall deadline if it lived on.
+    tag = f"20.{uuid.uuid4().int % 10**9:09d}"
+    escape = (
+        "import os\nif os.fork() == 0:\n    os.setsid()\n"
+        f"    os.execv('/bin/sleep', ['/bin/sleep', {tag!r}])\n"
+        "print(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+    )
+    result = run_python(escape, "", replace(LIMITS, wall_time_s=30.0))
+    assert result.ok and not result.timed_out, result
+    if AS_ROOT:  # /proc is remounted: the program is pid 1 and sees only its own processes
+        pid, seen = result.stdout.split(" ", 1)
+        assert pid == "1" and set(json.loads(seen)) <= {1, 2}, result
+    assert not _processes_with_argument(tag)
 
 
 def test_infinite_loop_is_killed_by_its_cpu_limit() -> None:
@@ -73,15 +92,12 @@ def test_sleeping_program_is_killed_at_the_wall_deadline() -> None:
     assert result.timed_out and result.kill_reason == "wall_time" and result.exit_code == -9
 
 
-def test_ten_gigabyte_allocation_fails_in_the_child_only() -> None:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def test_ten_gigabyte_allocation_fails_with_memory_error() -> None:
     allocate = "block = bytearray(10 * 2**30)\nprint('allocated')"
     result = run_python(allocate, "", LIMITS)
     assert result.exit_code == 1 and "MemoryError" in result.stderr, result
     assert "allocated" not in result.stdout
     assert_scored_zero(allocate)
-    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    assert grown_kib < 100 * 1024
 
 
 @pytest.fixture
@@ -109,18 +125,23 @@ def test_network_connection_is_refused(listener: socket.socket, network: Network
     assert_scored_zero(connect)
 
 
-@pytest.mark.parametrize("folder", ["host", "tmp"])
+@pytest.mark.parametrize("folder", ["host", "tmp", "run_lock"])
 def test_write_outside_the_working_folder_is_contained(folder: str) -> None:
     if not AS_ROOT:
         pytest.skip("without root the child runs as this user and can write where it can")
     # The host folder: this test's own, outside /tmp, writable by its owner (root) only.
-    host = Path(__file__).parent
-    marker = (host if folder == "host" else Path("/tmp")) / f"sandbox-marker-{os.getpid()}"
+    # /run/lock is writable by every uid on the host; the child's /run is an empty tmpfs.
+    parent = {"host": Path(__file__).parent, "tmp": Path("/tmp"), "run_lock": Path("/run/lock")}
+    if not parent[folder].is_dir():
+        pytest.skip(f"this machine has no {parent[folder]}")
+    marker = parent[folder] / f"sandbox-marker-{os.getpid()}"
     write = f"open({str(marker)!r}, 'w').write('escaped')\nprint('written')"
     try:
         result = run_python(write, "", LIMITS)
         if folder == "host":
             assert result.exit_code == 1 and "PermissionError" in result.stderr, result
+        elif folder == "run_lock":
+            assert result.exit_code == 1 and "FileNotFoundError" in result.stderr, result
         else:  # /tmp is private to the child: the write lands in a throwaway tmpfs
             assert result.ok, result
         assert not marker.exists()
@@ -137,20 +158,29 @@ def test_output_and_file_sizes_are_capped() -> None:
     assert big.exit_code == 1 and "File too large" in big.stderr, big
 
 
-def _processes_of(uid: int) -> list[int]:
+def test_the_working_folder_holds_its_tmpfs_size_in_total() -> None:
+    if not AS_ROOT or run_python("pass", "", LIMITS).network != "namespace":
+        pytest.skip("the working folder is a tmpfs only as root with namespaces")
+    # Files each under the size limit, together past the folder's size.
+    count = 2 * LIMITS.tmpfs_bytes // LIMITS.file_size_bytes
+    fill = (
+        f"for i in range({count}):\n"
+        f"    open(f'part{{i}}', 'wb').write(b'x' * ({LIMITS.file_size_bytes} - 1))"
+    )
+    result = run_python(fill, "", LIMITS)
+    assert result.exit_code == 1 and "No space left on device" in result.stderr, result
+
+
+def _processes_with_argument(argument: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if entry.stat().st_uid == uid and "Z" not in _state(entry):
+                if argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
                     pids.append(int(entry.name))
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):
                 continue
     return pids
-
-
-def _state(proc: Path) -> str:
-    return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 # -- problems and reward --------------------------------------------------------------------
