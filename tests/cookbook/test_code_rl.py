@@ -110,17 +110,19 @@ def renderer() -> Renderer:
 
 
 class ScriptedSampler:
-    """Answers each sample call with the next scripted text, remembering the prompts."""
+    """Answers each sample call with the next scripted text, remembering prompts and params."""
 
     def __init__(self, renderer: Renderer, *answers: str) -> None:
         self.tokenizer = renderer.tokenizer
         self.answers = list(answers)
         self.prompts: list[list[int]] = []
+        self.params: list[types.SamplingParams] = []
 
     async def sample_async(
         self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams
     ) -> SimpleNamespace:
         self.prompts.append(prompt.to_ints())
+        self.params.append(params)
         tokens = self.tokenizer.encode(self.answers.pop(0), add_special_tokens=False)
         tokens.append(self.tokenizer.eos_token_id)
         sequence = SimpleNamespace(tokens=tokens, logprobs=[-1.0] * len(tokens))
@@ -145,6 +147,8 @@ def test_an_attempt_trains_both_turns_but_not_the_tool_message(renderer: Rendere
     assert one.reward == 1.0 and one.called_tool and one.has_code
     first, second = one.turns
     assert sampler.prompts == [first.prompt_tokens, second.prompt_tokens]
+    # The first turn stops at the tool's closing tag or the end of turn; the second at the end.
+    assert [p.stop for p in sampler.params] == [["</check_solution>", "<|im_end|>"], None]
     assert renderer.decode(first.tokens) == wrong and renderer.decode(second.tokens) == right
     context = renderer.tokenizer.decode(second.prompt_tokens)
     assert context.endswith(

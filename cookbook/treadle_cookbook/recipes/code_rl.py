@@ -115,15 +115,28 @@ class Grader:
 
 
 async def sample_turn(
-    sampler: SamplingClient, context: types.ModelInput, cfg: Config, renderer: Renderer
+    sampler: SamplingClient,
+    context: types.ModelInput,
+    cfg: Config,
+    renderer: Renderer,
+    stop: list[str] | None = None,
 ) -> tuple[Sample, str]:
-    """One sampled turn after `context` (reward filled in later) and its text."""
-    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+    """One sampled turn after `context` (reward filled in later) and its text; `stop` None
+    stops at the end of turn only."""
+    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=stop)
     response = await sampler.sample_async(context, 1, params)
     sequence = response.sequences[0]
     logprobs = [float(lp) for lp in sequence.logprobs or []]
     sample = Sample(context.to_ints(), list(sequence.tokens), logprobs, 0.0)
     return sample, renderer.decode(sequence.tokens)
+
+
+def first_turn_stop(renderer: Renderer) -> list[str]:
+    """The first turn ends at the tool's closing tag (kept in the sampled text, where
+    `code_tasks.tool_call` finds it) or at the end of turn. Stop strings replace the end-of-turn
+    token as a stop, so the end-of-turn token's text is one of them."""
+    eos = renderer.tokenizer.eos_token
+    return [code_tasks.TOOL_CLOSE, eos] if eos else [code_tasks.TOOL_CLOSE]
 
 
 async def attempt(
@@ -135,7 +148,9 @@ async def attempt(
 ) -> Attempt:
     """Play the two-turn flow of `code_tasks.run_episode` with the policy, at the token level."""
     messages = code_tasks.conversation(problem)
-    first, answer = await sample_turn(sampler, renderer.prompt(messages), cfg, renderer)
+    first, answer = await sample_turn(
+        sampler, renderer.prompt(messages), cfg, renderer, first_turn_stop(renderer)
+    )
     turns = [first]
     call = code_tasks.tool_call(answer)
     if call is not None:
