@@ -24,6 +24,7 @@ from core.errors import AuthenticationFailed, InvalidInput, NotFound, Permission
 from core.tables import ApiKey, Tenant
 
 KEY_PREFIX = "tml-"
+MAX_NAME_LENGTH = 200  # the name column's length
 SCOPES = ("tenant", "admin")
 _KEY_RE = re.compile(r"^tml-([0-9a-f]{12})-([A-Za-z0-9_-]{32,128})$")
 # Touch last_used_at at most this often, so authentication is not a write on every request.
@@ -66,6 +67,10 @@ def issue_api_key(
     The audit log records `actor` (an API key id, or "operator") as its creator."""
     if scope not in SCOPES:
         raise InvalidInput(f"scope {scope!r} is unknown; use one of {', '.join(SCOPES)}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidInput(
+            f"the key name is {len(name)} characters long; use at most {MAX_NAME_LENGTH}"
+        )
     key_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     row = ApiKey(

@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
     metrics_host: str = "127.0.0.1"
 
+    # When the admin dashboard's session cookie is `Secure`: `auto` when the request came over
+    # https, `always` for a server behind a proxy that terminates TLS and forwards plain http.
+    admin_secure_cookie: Literal["auto", "always"] = "auto"
+
     # How every process logs (`core.logs`): `text` lines for people, `json` lines for collectors.
     log_format: Literal["text", "json"] = "text"
     log_level: str = "INFO"

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, case, func, or_, select
+from sqlalchemy import ColumnElement, and_, case, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from core import runs as core_runs
@@ -292,11 +292,30 @@ class _RunOrder:
         return None
 
 
+def _waiting_since(cutoff: datetime) -> ColumnElement[bool]:
+    return or_(
+        and_(Operation.status == OpStatus.QUEUED, Operation.created_at <= cutoff),
+        and_(Operation.status == OpStatus.RUNNING, Operation.started_at <= cutoff),
+    )
+
+
+def count_stuck_ops(db: OrmSession, now: datetime, older_than_seconds: float) -> int:
+    """How many ops `stuck_ops` would list without a limit."""
+    cutoff = now - timedelta(seconds=older_than_seconds)
+    return db.scalar(select(func.count()).where(_waiting_since(cutoff))) or 0
+
+
 def stuck_ops(
-    db: OrmSession, now: datetime, settings: Settings, older_than_seconds: float
+    db: OrmSession,
+    now: datetime,
+    settings: Settings,
+    older_than_seconds: float,
+    *,
+    limit: int | None = None,
 ) -> list[StuckOp]:
-    """Operations queued, or running, for longer than `older_than_seconds`, oldest first, each
-    with why it has not finished. A queued op may have several reasons, joined by '; '."""
+    """Operations queued, or running, for longer than `older_than_seconds`, oldest first (the
+    oldest `limit` of them, if given), each with why it has not finished. A queued op may have
+    several reasons, joined by '; '."""
     cutoff = now - timedelta(seconds=older_than_seconds)
     ops = db.execute(
         select(
@@ -310,13 +329,9 @@ def stuck_ops(
             Operation.started_at,
             Operation.worker_id,
         )
-        .where(
-            or_(
-                and_(Operation.status == OpStatus.QUEUED, Operation.created_at <= cutoff),
-                and_(Operation.status == OpStatus.RUNNING, Operation.started_at <= cutoff),
-            )
-        )
+        .where(_waiting_since(cutoff))
         .order_by(Operation.created_at, Operation.id)
+        .limit(limit)
     ).all()
     targets = _targets(db, {op.target_id for op in ops})
     order = _RunOrder.read(db, [t for t, target in targets.items() if target.ordered])

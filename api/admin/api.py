@@ -1,8 +1,10 @@
 """`/admin/api/*`: the JSON (and CSV) every dashboard chart and table is drawn from.
 
 Each route answers a browser holding an admin session cookie or a client sending an admin key
-in `X-API-Key` (`api.admin.auth`); nothing here changes a row. The routes are kept out of the
-OpenAPI document: they serve the dashboard, and may change with it.
+in `X-API-Key` (`api.admin.auth`); nothing here changes a row, and no answer may be cached
+(`Cache-Control: no-store`, as the pages). The CSV's text cells that a spreadsheet would take
+for a formula (a tenant or key name may start with `=`) are prefixed with `'`. The
+routes are kept out of the OpenAPI document: they serve the dashboard, and may change with it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import csv
 import io
 from datetime import datetime
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
@@ -28,7 +30,21 @@ from api.admin.usage import (
 from api.deps import ReadSession, State
 from billing.limits import dollars
 
-router = APIRouter(prefix="/admin/api", include_in_schema=False)
+NO_STORE = {"Cache-Control": "no-store"}
+# What a spreadsheet reads as the start of a formula when a cell begins with it.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _no_store(response: Response) -> None:
+    response.headers.update(NO_STORE)
+
+
+router = APIRouter(prefix="/admin/api", include_in_schema=False, dependencies=[Depends(_no_store)])
+
+
+def csv_cell(text: str) -> str:
+    """A name as a CSV cell no spreadsheet runs: one starting like a formula gets a `'`."""
+    return f"'{text}" if text.startswith(_FORMULA_STARTS) else text
 
 
 class _Rows(BaseModel):
@@ -135,6 +151,7 @@ class LiveOut(_Rows):
     sessions: list[SessionOut]
     runs: list[RunOut]
     stuck: list[StuckOut]
+    stuck_total: int
     failed: list[FailedOut]
 
 
@@ -228,33 +245,36 @@ def usage_csv(
             chart.buckets, series.tokens, series.cost_micros, strict=True
         ):
             if tokens or cost:
-                row = [moment.isoformat(), series.key, series.label, tokens, cost, dollars(cost)]
-                writer.writerow(row)
+                key, label = csv_cell(series.key), csv_cell(series.label)
+                writer.writerow([moment.isoformat(), key, label, tokens, cost, dollars(cost)])
     name = f"usage-{chart.start:%Y%m%d}-{chart.end:%Y%m%d}-{bucket}-{group}.csv"
     return Response(
         out.getvalue(),
         media_type="text/csv; charset=utf-8",
-        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+        headers=NO_STORE | {"Content-Disposition": f'attachment; filename="{name}"'},
     )
 
 
 @router.get("/tenants")
 def tenants(_: ApiAdmin, state: State, db: ReadSession) -> TenantsOut:
-    """Every tenant's limits, its spend this period and its open sessions; every API key."""
+    """Every tenant's limits, its spend this period and its open sessions; the API keys
+    unrevoked or revoked in the last week."""
     now = state.clock.now()
     return TenantsOut(
         tenants=[TenantOut.model_validate(t) for t in overview.tenant_rows(db, now)],
-        keys=[KeyOut.model_validate(k) for k in overview.key_rows(db)],
+        keys=[KeyOut.model_validate(k) for k in overview.key_rows(db, now)],
     )
 
 
 @router.get("/live")
 def live(_: ApiAdmin, state: State, db: ReadSession) -> LiveOut:
-    """Open sessions, live training runs, operations waiting long, and recent failures."""
+    """Open sessions, live training runs, the oldest operations waiting long (and how many
+    wait), and recent failures."""
     return LiveOut.model_validate(overview.live(db, state.clock.now(), state.settings))
 
 
 @router.get("/fleet")
 def fleet(_: ApiAdmin, state: State, db: ReadSession) -> FleetOut:
-    """Every worker and what it holds, and the workers that went away in the last day."""
+    """The workers that run or hold queued ops, what each holds, and the latest workers that
+    went away in the last day."""
     return FleetOut.model_validate(overview.fleet_view(db, state.clock.now()))

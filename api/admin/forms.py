@@ -3,7 +3,11 @@
 Each checks the session's CSRF token first, then calls the core function the admin CLI calls
 (`core.tenants.update_tenant_limits` and `set_spend_limits`, `core.apikeys.issue_api_key` and
 `revoke_api_key`) with the admin key's id as the audit log's actor; a refused value shows the
-tenants page again with the reason.
+tenants page again with the reason, and a change redirects to the tenants page (so reloading it
+posts nothing). A new key's plain text is shown in the answer to its post, the only place it
+can be: that form carries how many keys existed when it was shown, and a post made after
+another key was issued (the same form sent again by a reload) is refused, so a reload never
+issues a second key.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from api.admin.auth import PageAdmin, check_csrf
-from api.admin.render import Form, redirect, tenants_page
+from api.admin.render import Form, keys_issued, redirect, tenants_page
 from api.deps import State
 from core import apikeys, tenants
 from core.errors import InvalidInput, NotFound
@@ -22,6 +26,10 @@ from core.errors import InvalidInput, NotFound
 router = APIRouter(prefix="/admin", include_in_schema=False)
 
 _MAX_MICROS = 2**63 - 1  # the spend limit's column is a BIGINT
+_SENT_AGAIN = (
+    "a key was issued since this form was shown (was it sent twice?); check the keys below "
+    "and fill in the form again to issue another"
+)
 
 
 def _whole(form: dict[str, str], name: str) -> int:
@@ -85,6 +93,8 @@ def create_key(request: Request, state: State, admin: PageAdmin, form: Form) -> 
     check_csrf(state, admin, form.get("csrf"))
     try:
         with state.database.transaction() as db:
+            if form.get("issued") != str(keys_issued(db)):
+                return tenants_page(request, state, admin, status=409, error=_SENT_AGAIN)
             tenant = tenants.find_tenant(db, form.get("tenant_id", ""))
             row, key = apikeys.issue_api_key(
                 db,

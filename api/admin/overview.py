@@ -2,17 +2,18 @@
 
 Runs, workers and waiting operations come from `scheduler.fleet`, the read model the admin CLI
 prints; this module adds what that one does not hold: each tenant's limits beside its spend
-this period and its open sessions, the API keys, the open sessions, the latest failed
-operations and the workers that went away. Every query is bounded (a LIMIT, or one row per
-tenant, key or worker) so a page costs the same on a server with years of history.
+this period and its open sessions, the API keys in use or revoked lately, the open sessions,
+the latest failed operations and the workers that went away lately. Every query is bounded (a
+time window and a LIMIT, or one row per tenant or running worker) so a page costs the same on a
+server with years of history.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.spend import period_start
@@ -35,8 +36,12 @@ from scheduler import fleet
 FAILED_OPS_SHOWN = 50
 FAILED_OPS_WINDOW = timedelta(hours=24)
 SESSIONS_SHOWN = 200
+DEPARTURES_SHOWN = 50
 DEPARTURES_WINDOW = timedelta(hours=24)
 STUCK_AFTER_SECONDS = 60.0
+STUCK_SHOWN = 100
+KEYS_SHOWN = 500
+REVOKED_KEYS_WINDOW = timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,8 @@ class Live:
     sessions: list[SessionRow]
     runs: list[fleet.RunRow]
     stuck: list[fleet.StuckOp]
+    """The oldest `STUCK_SHOWN`."""
+    stuck_total: int
     failed: list[FailedOp]
 
 
@@ -149,12 +156,15 @@ def tenant_rows(db: OrmSession, now: datetime) -> list[TenantRow]:
     return rows
 
 
-def key_rows(db: OrmSession) -> list[KeyRow]:
-    """Every API key, newest first (the plain key is never stored, so never shown)."""
+def key_rows(db: OrmSession, now: datetime) -> list[KeyRow]:
+    """The newest `KEYS_SHOWN` keys unrevoked or revoked in the last `REVOKED_KEYS_WINDOW`,
+    newest first (the plain key is never stored, so never shown)."""
     found = db.execute(
         select(ApiKey, Tenant.name)
         .join(Tenant, Tenant.id == ApiKey.tenant_id)
+        .where(or_(ApiKey.revoked_at.is_(None), ApiKey.revoked_at >= now - REVOKED_KEYS_WINDOW))
         .order_by(ApiKey.created_at.desc(), ApiKey.id)
+        .limit(KEYS_SHOWN)
     ).all()
     return [
         KeyRow(
@@ -191,7 +201,8 @@ def live(db: OrmSession, now: datetime, settings: Settings) -> Live:
             for s, name in sessions
         ],
         runs=fleet.runs(db, now),
-        stuck=fleet.stuck_ops(db, now, settings, STUCK_AFTER_SECONDS),
+        stuck=fleet.stuck_ops(db, now, settings, STUCK_AFTER_SECONDS, limit=STUCK_SHOWN),
+        stuck_total=fleet.count_stuck_ops(db, now, STUCK_AFTER_SECONDS),
         failed=failed_ops(db, now),
     )
 
@@ -224,19 +235,32 @@ def failed_ops(db: OrmSession, now: datetime) -> list[FailedOp]:
 
 
 def fleet_view(db: OrmSession, now: datetime) -> Fleet:
-    return Fleet(workers=fleet.workers(db, now), departures=departures(db, now))
+    """The workers that run or still hold queued ops, and the latest departures."""
+    return Fleet(workers=fleet.workers(db, now, shown_only=True), departures=departures(db, now))
 
 
 def departures(db: OrmSession, now: datetime) -> list[Departure]:
-    """Workers that left (drained or stopped) or were declared dead in the last day, latest
-    first; when a dead worker's lease lapsed stands for when it went."""
-    since = now - DEPARTURES_WINDOW
-    rows = []
-    for worker in db.scalars(
-        select(Worker).where(Worker.status.in_((WorkerStatus.LEFT, WorkerStatus.DEAD)))
-    ):
-        at = worker.left_at if worker.status == WorkerStatus.LEFT else worker.lease_expires_at
-        if at is not None and at >= since:
-            rows.append(Departure(worker.id, worker.hostname, worker.status, at))
-    rows.sort(key=lambda d: (d.at, d.worker_id), reverse=True)
-    return rows
+    """The latest `DEPARTURES_SHOWN` workers that left (drained or stopped) or were declared
+    dead in the last day, latest first; when a dead worker's lease lapsed stands for when it
+    went."""
+    gone_at = case(
+        (Worker.status == WorkerStatus.LEFT, Worker.left_at), else_=Worker.lease_expires_at
+    )
+    found = db.execute(
+        select(Worker.id, Worker.hostname, Worker.status, gone_at)
+        .where(
+            Worker.status.in_((WorkerStatus.LEFT, WorkerStatus.DEAD)),
+            gone_at >= now - DEPARTURES_WINDOW,
+        )
+        .order_by(gone_at.desc(), Worker.id.desc())
+        .limit(DEPARTURES_SHOWN)
+    ).all()
+    return [
+        Departure(worker_id, hostname, status, _aware(at))
+        for worker_id, hostname, status, at in found
+    ]
+
+
+def _aware(moment: datetime) -> datetime:
+    """A time read through a bare SQL expression: SQLite gives it back naive, in UTC."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment

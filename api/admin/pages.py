@@ -3,9 +3,10 @@
 Pages render what `api.admin.overview` and `api.admin.usage` read (the usage page's charts
 fetch `/admin/api/usage`; the live and fleet tables are fetched again by htmx). Logging in
 trades an admin key for the session cookie (`api.admin.cookies`): HTTP-only,
-`SameSite=Strict`, scoped to `/admin`, and `Secure` when the request came over https. Pages,
-scripts and styles come from this server alone; `api.admin.forms` takes the forms that change
-something.
+`SameSite=Strict`, scoped to `/admin`, and `Secure` when the request came over https or
+`admin_secure_cookie` is `always`. Logging in and out are written to the audit log, as the
+forms' changes are. Pages, scripts and styles come from this server alone; `api.admin.forms`
+takes the forms that change something.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from api.admin import cookies, overview
-from api.admin.auth import PageAdmin, check_csrf, session_of
+from api.admin.auth import Admin, PageAdmin, check_csrf, session_of
 from api.admin.render import HEADERS, HERE, Form, moment, redirect, render, root, tenants_page
 from api.admin.usage import (
     TOP_SERIES,
@@ -28,7 +29,9 @@ from api.admin.usage import (
     parse_moment,
 )
 from api.deps import AppState, State, authenticate
+from core import audit
 from core.errors import AuthenticationFailed, InvalidInput, NotFound, PermissionDenied
+from core.tables import ApiKey
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 
@@ -70,6 +73,7 @@ def login(request: Request, state: State, form: Form) -> Response:
         return render(
             request, state, None, "login", status, title="Log in", error=f"{status}: {refused}"
         )
+    _audit(state, principal.key_id, principal.tenant_id, "admin.logged_in")
     response = redirect(request, "usage")
     response.set_cookie(
         cookies.COOKIE_NAME,
@@ -78,7 +82,7 @@ def login(request: Request, state: State, form: Form) -> Response:
         path=f"{root(request)}/admin",
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=_secure(request, state),
     )
     return response
 
@@ -86,15 +90,34 @@ def login(request: Request, state: State, form: Form) -> Response:
 @router.post("/logout")
 def logout(request: Request, state: State, admin: PageAdmin, form: Form) -> Response:
     check_csrf(state, admin, form.get("csrf"))
+    _audit(state, admin.key_id, _tenant_of(state, admin), "admin.logged_out")
     response = redirect(request, "login")
     response.delete_cookie(
         cookies.COOKIE_NAME,
         path=f"{root(request)}/admin",
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=_secure(request, state),
     )
     return response
+
+
+def _secure(request: Request, state: AppState) -> bool:
+    return state.settings.admin_secure_cookie == "always" or request.url.scheme == "https"
+
+
+def _tenant_of(state: AppState, admin: Admin) -> str | None:
+    with state.database.reader() as db:
+        key = db.get(ApiKey, admin.key_id)
+        return None if key is None else key.tenant_id
+
+
+def _audit(state: AppState, key_id: str, tenant_id: str | None, action: str) -> None:
+    """The key that logged in or out is both the actor and the target."""
+    with state.database.transaction() as db:
+        audit.record(
+            db, state.clock, tenant_id=tenant_id, actor=key_id, action=action, target=key_id
+        )
 
 
 @router.get("/usage")

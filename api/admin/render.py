@@ -15,12 +15,15 @@ from urllib.parse import parse_qs
 import jinja2
 from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session as OrmSession
 
 from api.admin import cookies, overview
 from api.admin.auth import Admin
 from api.deps import AppState
 from billing.limits import dollars
 from core.errors import InvalidInput
+from core.tables import ApiKey
 
 HERE = Path(__file__).resolve().parent.parent
 CONTENT_SECURITY_POLICY = "; ".join(
@@ -108,6 +111,12 @@ async def read_form(request: Request) -> dict[str, str]:
 Form = Annotated[dict[str, str], Depends(read_form)]
 
 
+def keys_issued(db: OrmSession) -> int:
+    """How many keys were ever issued: the key form sends it back, so that the same form sent
+    twice is refused rather than issuing a second key."""
+    return db.scalar(select(func.count()).select_from(ApiKey)) or 0
+
+
 def tenants_page(
     request: Request,
     state: AppState,
@@ -118,8 +127,9 @@ def tenants_page(
     created: dict[str, str] | None = None,
 ) -> HTMLResponse:
     with state.database.reader() as db:
-        rows = overview.tenant_rows(db, state.clock.now())
-        keys = overview.key_rows(db)
+        now = state.clock.now()
+        rows, keys = overview.tenant_rows(db, now), overview.key_rows(db, now)
+        issued = keys_issued(db)
     return render(
         request,
         state,
@@ -129,6 +139,7 @@ def tenants_page(
         title="Tenants",
         tenants=rows,
         keys=keys,
+        keys_issued=issued,
         error=error,
         created=created,
     )

@@ -2,10 +2,11 @@
 
 It sums the hourly rollups (`billing.tables.UsageRollup`), never the ledger, so a request costs
 the same however many events an hour held. A rollup row keys tenant, API key, base model and
-kind, which are the groupings offered; day buckets are folded from hours here, in UTC. Tokens
-are the quantities of the token kinds (training, prefill, sampled); checkpoints and storage add
-cost but no tokens. Only the largest `TOP_SERIES` groups of the range are charted one by one;
-the rest are summed as one "other" series, so a chart stays legible with hundreds of tenants.
+kind, which are the groupings offered; day buckets are folded from hours by the database, in
+UTC. Tokens are the quantities of the token kinds (training, prefill, sampled); checkpoints and
+storage add cost but no tokens. Only the largest `TOP_SERIES` groups of the range are charted
+one by one; the rest are summed as one "other" series, so a chart stays legible with hundreds
+of tenants.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TOP_TENANTS = 10
 OTHER = "other"
 # Bounds the points a chart draws: a month of hours, or a year of days.
 MAX_SPAN = {"hour": timedelta(days=31), "day": timedelta(days=366)}
+FIRST_YEAR, LAST_YEAR = 2000, 2200
 
 _COLUMNS = {
     "tenant": UsageRollup.tenant_id,
@@ -178,7 +180,8 @@ def _labels(db: OrmSession, group: Group, keys: list[str]) -> dict[str, str]:
 
 
 def parse_moment(text: str, name: str) -> datetime:
-    """A date (`2026-01-31`: its midnight) or an ISO time, in UTC when it names no zone."""
+    """A date (`2026-01-31`: its midnight) or an ISO time, in UTC when it names no zone, in
+    the years `FIRST_YEAR` to `LAST_YEAR` (so bucket arithmetic never leaves `datetime`'s)."""
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
@@ -186,7 +189,13 @@ def parse_moment(text: str, name: str) -> datetime:
             f"{name} {text[:40]!r} is neither a date nor an ISO time; send one such as "
             "2026-01-31 or 2026-01-31T12:00:00Z"
         ) from None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    moment = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    if not FIRST_YEAR <= moment.year <= LAST_YEAR:
+        raise InvalidInput(
+            f"{name} {text[:40]!r} is outside the years {FIRST_YEAR} to {LAST_YEAR}; "
+            "send a date in them"
+        )
+    return moment
 
 
 def default_range(now: datetime) -> tuple[datetime, datetime]:

@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
+from core.clock import FakeClock
 from tests.builders import TenantKey, record
-from tests.server import LiveServer
+from tests.server import LiveServer, start_server
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +36,17 @@ CHART_DATA = """(name) => {
   return {labels: chart.data.labels,
           datasets: chart.data.datasets.map((d) => ({label: d.label, data: d.data}))};
 }"""
+
+
+# The server's clock, so that "today" is the same day for the server and the test whenever the
+# test runs (a real clock could pass midnight between seeding and reading).
+TODAY = datetime(2026, 3, 10, tzinfo=UTC)
+
+
+@pytest.fixture
+def pinned_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    clock = FakeClock(TODAY.replace(hour=12))
+    yield from start_server(tmp_path_factory.mktemp("pinned"), clock=clock)
 
 
 @pytest.fixture
@@ -55,14 +67,14 @@ def _chart(page: Page, name: str) -> dict[str, Any]:
 
 
 def test_an_admin_reads_usage_changes_keys_and_limits_and_logs_out(
-    live_server: LiveServer, page: Page, tmp_path: Path
+    pinned_server: LiveServer, page: Page, tmp_path: Path
 ) -> None:
+    live_server = pinned_server
     base = live_server.base_url
     admin = live_server.make_tenant("operators", scope="admin")
     acme: TenantKey = live_server.make_tenant("acme")
     globex: TenantKey = live_server.make_tenant("globex")
-    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    yesterday = today - timedelta(days=1)
+    today, yesterday = TODAY, TODAY - timedelta(days=1)
     record(live_server.database, acme, yesterday.replace(hour=5), quantity=3000,
            amount_micros=3_000_000)  # fmt: skip
     record(live_server.database, globex, yesterday.replace(hour=5), quantity=1000,

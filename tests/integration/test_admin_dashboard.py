@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from api.admin import cookies
+from api.admin.api import csv_cell
 from core.clock import FakeClock
 from core.db import Database
 from core.tables import AuditLog, Tenant
@@ -52,8 +53,12 @@ class Dashboard:
         assert response.headers["location"] == "/admin/usage"
 
     def csrf(self, page: str = "/admin/tenants") -> str:
+        return self.hidden(page, "csrf")
+
+    def hidden(self, page: str, name: str) -> str:
+        """The value of the page's first hidden field `name`."""
         html = self.client.get(page).text
-        found = re.search(r'name="csrf" value="([^"]+)"', html)
+        found = re.search(rf'name="{name}" value="([^"]+)"', html)
         assert found is not None, html
         return found.group(1)
 
@@ -246,9 +251,11 @@ def test_forms_need_the_sessions_csrf_token_and_go_through_core(dashboard: Dashb
     invalid = d.client.post(path, data=fields | {"csrf": token, "max_lora_rank": "0"})
     assert invalid.status_code == 422 and "max LoRA rank 0 is outside" in invalid.text
 
+    issued = d.hidden("/admin/tenants", "issued")
     created = d.client.post(
         "/admin/keys",
-        data={"csrf": token, "tenant_id": d.globex.tenant_id, "name": "ci", "scope": "tenant"},
+        data={"csrf": token, "tenant_id": d.globex.tenant_id, "name": "ci", "scope": "tenant"}
+        | {"issued": issued},
     )
     assert created.status_code == 200, created.text
     found = re.search(r'<code id="new-key">(tml-[^<]+)</code>', created.text)
@@ -287,6 +294,8 @@ def test_live_and_fleet_show_sessions_runs_failures_and_workers(dashboard: Dashb
     rows.worker("w-live", ["m/a"], lease_seconds=600)
     rows.worker("w-gone", ["m/a"], dead=True)
     run = rows.run(d.acme.tenant_id, base_model="m/a")
+    # Behind a gap in its run's seq_ids, so no worker can claim it: it waits for certain.
+    waiting = rows.training_op(run, 5).request_id
     failing = rows.run(d.globex.tenant_id, base_model="m/a")
     with d.database.transaction() as db:
         op = rows.ops(failing)[0]
@@ -302,13 +311,18 @@ def test_live_and_fleet_show_sessions_runs_failures_and_workers(dashboard: Dashb
     failed = next(f for f in live["failed"] if f["op_id"] == op.id)
     assert failed["error_code"] == "invalid_input" and failed["tenant_name"] == "globex"
     assert "rank too large" in failed["error_message"]
+    stuck = {s["op_id"]: s for s in live["stuck"]}
+    assert waiting in stuck and stuck[waiting]["status"] == "queued", live["stuck"]
     assert all(s["waited_seconds"] >= 60 and s["reason"] for s in live["stuck"])
+    assert live["stuck_total"] == len(live["stuck"])
 
     fleet = d.client.get("/admin/api/fleet", headers=headers).json()
     workers = {w["worker_id"]: w for w in fleet["workers"]}
     assert workers["w-live"]["status"] == "live" and workers["w-live"]["runs_placed"] == 0
-    assert workers["w-gone"]["status"] == "dead"
+    assert "w-gone" not in workers  # dead and holding nothing: a departure only
     assert [(g["worker_id"], g["status"]) for g in fleet["departures"]] == [("w-gone", "dead")]
+    gone_at = datetime.fromisoformat(fleet["departures"][0]["at"])
+    assert gone_at == NOW - timedelta(seconds=1)  # its lapsed lease, read back in UTC
 
     d.log_in()
     tables = d.client.get("/admin/live/tables").text
@@ -347,3 +361,131 @@ def test_pages_and_files_refer_to_no_other_origin(dashboard: Dashboard) -> None:
 def test_the_dashboard_stays_out_of_the_openapi_document(dashboard: Dashboard) -> None:
     paths = dashboard.client.get("/openapi.json").json()["paths"]
     assert not [p for p in paths if p.startswith("/admin")]
+
+
+def test_admin_api_answers_are_not_cached(dashboard: Dashboard) -> None:
+    headers = {"X-API-Key": dashboard.admin.key}
+    for path in ("usage", "usage.csv", "tenants", "live", "fleet"):
+        response = dashboard.client.get(f"/admin/api/{path}", headers=headers)
+        assert response.status_code == 200, path
+        assert response.headers["cache-control"] == "no-store", path
+
+
+def test_names_reach_the_csv_as_text_and_the_pages_escaped(dashboard: Dashboard) -> None:
+    d = dashboard
+    make = tenant_factory(d.database, d.client.app.state.treadle.settings, d.clock)
+    formulas = {name: make(name) for name in ("=1+2", "+1", "-1", "@SUM(A1)")}
+    script = make("<script>alert(1)</script>")
+    for tenant in [*formulas.values(), script]:
+        record(d.database, tenant, DAY, quantity=10, amount_micros=10)
+    headers = {"X-API-Key": d.admin.key}
+    query = {"start": "2026-03-09", "end": "2026-03-10", "group": "tenant"}
+    exported = d.client.get("/admin/api/usage.csv", params=query, headers=headers)
+    labels = {r["label"] for r in csv.DictReader(io.StringIO(exported.text))}
+    assert labels >= {f"'{name}" for name in formulas} | {"<script>alert(1)</script>"}
+    # Names are stripped, so none starts with a tab or carriage return; the cell would be quoted.
+    assert [csv_cell(text) for text in ("\tx", "\rx", "a=1")] == ["'\tx", "'\rx", "a=1"]
+
+    d.log_in()
+    for page in ("/admin/tenants", "/admin/live/tables"):
+        html = d.client.get(page).text
+        assert "<script>alert" not in html, page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in d.client.get("/admin/tenants").text
+
+
+def test_far_out_dates_are_refused_not_failed(dashboard: Dashboard) -> None:
+    d = dashboard
+    headers = {"X-API-Key": d.admin.key}
+    for start, end in (("9999-12-30", "9999-12-31T23:00:00"), ("0001-01-01", "0001-01-02")):
+        query = {"start": start, "end": end, "bucket": "hour"}
+        for path in ("/admin/api/usage", "/admin/api/usage.csv"):
+            refused = d.client.get(path, params=query, headers=headers)
+            assert refused.status_code == 422, (path, refused.text)
+            assert "outside the years 2000 to 2200" in refused.json()["detail"]
+    d.log_in()
+    page = d.client.get("/admin/usage", params={"start": "9999-12-31"})
+    assert page.status_code == 400 and "outside the years 2000 to 2200" in page.text
+
+
+def test_the_cookie_is_secure_when_the_setting_says_always(
+    app_factory: AppFactory, sqlite_url: str
+) -> None:
+    app = app_factory(sqlite_url, admin_secure_cookie="always")
+    state = app.state.treadle
+    admin = tenant_factory(state.database, state.settings)("ops", scope="admin")
+    with TestClient(app) as client:  # plain http, as behind a proxy that terminates TLS
+        response = client.post("/admin/login", data={"key": admin.key}, follow_redirects=False)
+    assert response.status_code == 303
+    assert "Secure" in response.headers["set-cookie"]
+
+
+def test_logging_in_and_out_is_audited(dashboard: Dashboard) -> None:
+    d = dashboard
+    d.log_in()
+    d.client.post("/admin/login", data={"key": d.acme.key})  # refused: not audited
+    out = d.client.post("/admin/logout", data={"csrf": d.csrf()}, follow_redirects=False)
+    assert out.status_code == 303
+    with d.database.reader() as db:
+        found = db.execute(
+            select(AuditLog.action, AuditLog.actor, AuditLog.target, AuditLog.tenant_id)
+            .where(AuditLog.action.startswith("admin."))
+            .order_by(AuditLog.id)
+        ).all()
+    admin = (d.admin.key_id, d.admin.key_id, d.admin.tenant_id)
+    assert [tuple(row) for row in found] == [
+        ("admin.logged_in", *admin),
+        ("admin.logged_out", *admin),
+    ]
+
+
+def test_a_disabled_tenants_cookie_is_refused(dashboard: Dashboard) -> None:
+    d = dashboard
+    d.log_in()
+    assert d.client.get("/admin/api/live").status_code == 200
+    with d.database.transaction() as db:
+        tenant = db.get(Tenant, d.admin.tenant_id)
+        assert tenant is not None
+        tenant.disabled = True
+    assert d.client.get("/admin/api/live").status_code == 401
+    assert d.client.get("/admin/live", follow_redirects=False).status_code == 303
+
+
+def test_the_key_form_refuses_a_post_without_the_token_or_sent_twice(
+    dashboard: Dashboard,
+) -> None:
+    d = dashboard
+    d.log_in()
+    token = d.csrf()
+    form = {"tenant_id": d.globex.tenant_id, "name": "ci", "scope": "tenant"}
+    form |= {"issued": d.hidden("/admin/tenants", "issued")}
+
+    def keys() -> list[str]:
+        return [k["name"] for k in d.client.get("/admin/api/tenants").json()["keys"]]
+
+    assert d.client.post("/admin/keys", data=form).status_code == 403  # no CSRF token
+    too_long = d.client.post("/admin/keys", data=form | {"csrf": token, "name": "k" * 201})
+    assert too_long.status_code == 422 and "use at most 200" in too_long.text
+    assert "ci" not in keys() and "k" * 201 not in keys()
+
+    first = d.client.post("/admin/keys", data=form | {"csrf": token})
+    assert first.status_code == 200 and 'id="new-key"' in first.text
+    again = d.client.post("/admin/keys", data=form | {"csrf": token})  # a reload re-posts
+    assert again.status_code == 409 and "sent twice" in again.text
+    assert 'id="new-key"' not in again.text
+    assert keys().count("ci") == 1
+
+
+def test_keys_revoked_long_ago_leave_the_list(dashboard: Dashboard) -> None:
+    d = dashboard
+    headers = {"X-API-Key": d.admin.key}
+    for key in (d.acme, d.globex):
+        revoked = d.client.post(
+            f"/admin/keys/{key.key_id}/revoke", data={}, headers=headers, follow_redirects=False
+        )
+        assert revoked.status_code == 303
+        d.clock.advance(timedelta(days=7).total_seconds())
+    listed = {
+        k["key_id"] for k in d.client.get("/admin/api/tenants", headers=headers).json()["keys"]
+    }
+    assert d.acme.key_id not in listed  # revoked 14 days ago
+    assert {d.globex.key_id, d.admin.key_id} <= listed  # revoked 7 days ago; in use
