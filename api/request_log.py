@@ -4,8 +4,9 @@ and the request id that ties it to the client and to the op the request submitte
 The id is the client's `X-Request-Id` when it is one Treadle can log safely, else a new one
 (`api.request_context`); answers carry it back in `X-Request-Id`. The line names the route's
 template as the metrics do (`api.metrics.route_template`), so no id of a run or future is in
-it, with the status, the time to the last byte and what the route noted: the tenant, and the
-op it queued with the op's target. The worker's line for that op (`scheduler.worker.op_lines`)
+it, with the status, the time to the last byte, the client's address (the peer's host as the
+server saw it: a proxy's, behind one) and what the route noted: the tenant, and the op it
+queued with the op's target. Nothing of the line is built while INFO is not logged. The worker's line for that op (`scheduler.worker.op_lines`)
 carries the same op id.
 
 This module does not decide how lines look (`core.logs` does) nor authenticate anyone.
@@ -25,9 +26,18 @@ from api.request_context import HEADER, RequestFacts, opened, request_id_of
 log = logging.getLogger("treadle.access")
 
 
-def _text(method: str, route: str, status: int, duration_ms: float, facts: RequestFacts) -> str:
-    """`GET /api/v1/training_runs/{run_id} 200 12.3 ms rid=... tenant=...`."""
+def _text(
+    method: str,
+    route: str,
+    status: int,
+    duration_ms: float,
+    client: str | None,
+    facts: RequestFacts,
+) -> str:
+    """`GET /api/v1/training_runs/{run_id} 200 12.3 ms rid=... client=... tenant=...`."""
     line = f"{method} {route} {status} {duration_ms:.1f} ms rid={facts.request_id}"
+    if client is not None:
+        line += f" client={client}"
     if facts.tenant_id is not None:
         line += f" tenant={facts.tenant_id}"
     if facts.op_id is not None:
@@ -36,7 +46,12 @@ def _text(method: str, route: str, status: int, duration_ms: float, facts: Reque
 
 
 def _fields(
-    method: str, route: str, status: int, duration_ms: float, facts: RequestFacts
+    method: str,
+    route: str,
+    status: int,
+    duration_ms: float,
+    client: str | None,
+    facts: RequestFacts,
 ) -> dict[str, object]:
     fields: dict[str, object] = {
         "request_id": facts.request_id,
@@ -45,6 +60,8 @@ def _fields(
         "status": status,
         "duration_ms": duration_ms,
     }
+    if client is not None:
+        fields["client"] = client
     for name in ("tenant_id", "op_id", "target_id"):
         if getattr(facts, name) is not None:
             fields[name] = getattr(facts, name)
@@ -77,10 +94,17 @@ class RequestLog:
             with opened(facts, scope):
                 await self.app(scope, receive, sending)
         finally:
-            duration_ms = round((time.perf_counter() - started) * 1000, 1)
-            method, route = scope["method"], route_template(scope)
-            log.info(
-                "%s",
-                _text(method, route, status, duration_ms, facts),
-                extra=_fields(method, route, status, duration_ms, facts),
-            )
+            if log.isEnabledFor(logging.INFO):
+                duration_ms = round((time.perf_counter() - started) * 1000, 1)
+                method, route, client = scope["method"], route_template(scope), _client(scope)
+                log.info(
+                    "%s",
+                    _text(method, route, status, duration_ms, client, facts),
+                    extra=_fields(method, route, status, duration_ms, client, facts),
+                )
+
+
+def _client(scope: Scope) -> str | None:
+    """The peer's host, without its port; None when the server names no peer."""
+    peer = scope.get("client")
+    return None if peer is None else str(peer[0])

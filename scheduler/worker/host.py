@@ -460,12 +460,13 @@ class WorkerHost:
                     now=self.clock.now(),
                     counted=counted,
                 )
-                recorded = [metrics.RecordedOp.of(op, ()) for op in given_up]
+                gave_up = [op_lines.GivenUp.of(op) for op in given_up]
         except Exception:
             log.exception("could not release %d operations; retrying at the next step", len(tasks))
             return
-        for given in recorded:
-            metrics.observe_recorded(given)
+        for given in gave_up:
+            metrics.observe_recorded(given.recorded)
+            op_lines.log_given_up(given, self.worker_id)
         for task in tasks:
             self._unrecorded.pop(task.id, None)
             self.notifier.publish(task.id)
@@ -566,9 +567,10 @@ class WorkerHost:
                 )
                 if r.op.attempts > 1:
                     self._alone = r.op.id
-            recorded = [metrics.RecordedOp.of(op, ()) for op in given_up]
-        for given in recorded:
-            metrics.observe_recorded(given)
+            gave_up = [op_lines.GivenUp.of(op) for op in given_up]
+        for given in gave_up:
+            metrics.observe_recorded(given.recorded)
+            op_lines.log_given_up(given, self.worker_id)
         for op in given_up:
             self.notifier.publish(op.id)
         return tasks, len(given_up)

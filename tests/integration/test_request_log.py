@@ -11,6 +11,7 @@ import re
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 from fastapi import FastAPI
@@ -21,6 +22,7 @@ from api.request_log import RequestLog
 from core import logs
 from tests.builders import TenantFactory, TenantKey, tenant_factory
 from tests.embedded_app import MODEL, EmbeddedApp, datum, embedded_app
+from tests.server import AppFactory
 
 pytestmark = pytest.mark.integration
 
@@ -117,9 +119,10 @@ def test_a_submission_logs_its_tenant_op_and_run_and_the_op_line_joins_it(
     assert response.headers["X-Request-Id"] == "client.req-1:a_b"
     assert access.keys() == {
         *("ts", "level", "logger", "msg", "request_id", "method", "route", "status"),
-        *("duration_ms", "tenant_id", "op_id", "target_id"),
+        *("duration_ms", "client", "tenant_id", "op_id", "target_id"),
     }
     assert access["level"] == "INFO"
+    assert access["client"] == "testclient"  # the peer's host as the server got it, no port
     assert (access["method"], access["route"], access["status"]) == (
         "POST",
         "/api/v1/create_model",
@@ -230,6 +233,41 @@ def test_an_unexpected_fault_answers_500_with_the_request_id(
     assert (line["status"], line["route"]) == (500, "/boom/{n}")
 
 
+def test_the_real_apps_500_carries_the_request_id(
+    app_factory: AppFactory, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same through every middleware the app installs, in the order it installs them."""
+    real = app_factory(sqlite_url)
+
+    @real.get("/api/v1/boom")
+    def _boom() -> None:
+        raise RuntimeError("a bug")
+
+    with (
+        captured() as lines,
+        caplog.at_level(logging.ERROR, logger="api.errors"),
+        TestClient(real, raise_server_exceptions=False) as client,
+    ):
+        response = client.get("/api/v1/boom", headers={"X-Request-Id": "real-fault"})
+    assert (response.status_code, response.headers["X-Request-Id"]) == (500, "real-fault")
+    assert [r.getMessage() for r in caplog.records if r.name == "api.errors"] == [
+        "unhandled error in request real-fault"
+    ]
+    assert lines.access("real-fault")["status"] == 500
+
+
+def test_no_line_is_built_while_info_is_off(app: EmbeddedApp) -> None:
+    access = logging.getLogger("treadle.access")
+    saved = access.level
+    access.setLevel(logging.WARNING)
+    try:
+        with patch("api.request_log._fields", side_effect=AssertionError("built")):
+            response = app.client.get("/api/v1/healthz")
+    finally:
+        access.setLevel(saved)
+    assert response.status_code == 200
+
+
 def test_no_line_holds_any_part_of_the_key(app: EmbeddedApp, tenant: TenantKey) -> None:
     with captured() as lines:
         _create_run(app, tenant, "keyless")
@@ -247,7 +285,8 @@ def test_text_lines_read_like_an_access_log(app: EmbeddedApp, tenant: TenantKey)
         lines.op(op_id)
     text = lines.text()
     access = rf"{TEXT_TIME} INFO treadle\.access POST /api/v1/create_model 200 \d+\.\d ms "
-    access += rf"rid=text-line tenant={tenant.tenant_id} op={op_id} target={run_id}"
+    access += rf"rid=text-line client=testclient tenant={tenant.tenant_id} op={op_id} "
+    access += rf"target={run_id}"
     assert [line for line in text if re.fullmatch(access, line)], text
     op = rf"{TEXT_TIME} INFO treadle\.ops op {op_id} create_model on {run_id} done in \d+\.\d ms "
     op += rf"\(queued \d+\.\d ms, \d+\.\d ms end to end\) tenant={tenant.tenant_id} worker=embedded"

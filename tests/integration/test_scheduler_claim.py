@@ -8,6 +8,7 @@ under test are only claimed, never executed, so each claim is seen as the host m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,7 +161,7 @@ def test_samples_are_claimed_oldest_first_up_to_the_batch_size(
 
 
 def test_an_op_claimed_max_attempts_times_is_given_up_and_its_run_goes_on(
-    rows: Rows, make_host: HostFactory
+    rows: Rows, make_host: HostFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     host = make_host(max_attempts=2)
     [run] = _created(rows, host, 1)
@@ -171,8 +172,12 @@ def test_an_op_claimed_max_attempts_times_is_given_up_and_its_run_goes_on(
         host = make_host(max_attempts=2)  # registering requeues what it left running
     finished = {"kind": "optim_step", "outcome": "failed", "category": "server"}
     before = REGISTRY.get_sample_value("treadle_ops_finished_total", finished) or 0.0
-    tasks, given_up = host._claim()
+    with caplog.at_level(logging.INFO, logger="treadle.ops"):
+        tasks, given_up = host._claim()
     assert (tasks, given_up) == ([], 1)
+    [line] = [r for r in caplog.records if r.name == "treadle.ops"]  # logged as it is counted
+    assert (line.__dict__["op_id"], line.__dict__["outcome"]) == (poison, "failed")
+    assert line.__dict__["error_category"] == "server" and line.__dict__["target_id"] == run
     # Given up is finished: counted once, as the server's failure, so none stays in flight.
     assert REGISTRY.get_sample_value("treadle_ops_finished_total", finished) == before + 1
     op = rows.op(poison)
@@ -184,7 +189,7 @@ def test_an_op_claimed_max_attempts_times_is_given_up_and_its_run_goes_on(
 
 
 def test_an_op_released_after_its_last_attempt_is_given_up_and_counted(
-    rows: Rows, make_host: HostFactory
+    rows: Rows, make_host: HostFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     host = make_host(max_attempts=1)
     [run] = _created(rows, host, 1)
@@ -192,7 +197,10 @@ def test_an_op_released_after_its_last_attempt_is_given_up_and_counted(
     tasks, _ = host._claim()
     finished = {"kind": "optim_step", "outcome": "failed", "category": "server"}
     before = REGISTRY.get_sample_value("treadle_ops_finished_total", finished) or 0.0
-    host._requeue(tasks, counted=True)  # as after a failed engine step
+    with caplog.at_level(logging.INFO, logger="treadle.ops"):
+        host._requeue(tasks, counted=True)  # as after a failed engine step
+    [line] = [r for r in caplog.records if r.name == "treadle.ops"]
+    assert (line.__dict__["op_id"], line.__dict__["outcome"]) == (step, "failed")
     assert REGISTRY.get_sample_value("treadle_ops_finished_total", finished) == before + 1
     assert rows.op(step).status == "failed"
 
