@@ -259,19 +259,21 @@ def _run(
         "PYTHONIOENCODING": "utf-8",
     }
     failure, report = os.pipe()
+    plan = json.dumps(_plan(limits, workdir, as_root, network, report))
     try:
-        plan = _plan(limits, workdir, as_root, network, report)
-        child = subprocess.Popen(
-            [python, "-I", "-S", "-c", _LAUNCHER, json.dumps(plan), *program],
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workdir,
-            env=env,
-            start_new_session=True,
-            pass_fds=(report,),
-        )
-        os.close(report)
+        try:
+            child = subprocess.Popen(
+                [python, "-I", "-S", "-c", _LAUNCHER, plan, *program],
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=(report,),
+            )
+        finally:
+            os.close(report)  # the launcher holds the only copy, so a read ends when it does
         result = _supervise(child, limits, network)
         os.set_blocking(failure, False)
         with contextlib.suppress(BlockingIOError):
@@ -280,8 +282,6 @@ def _run(
         return result
     finally:
         os.close(failure)
-        with contextlib.suppress(OSError):
-            os.close(report)
 
 
 def _plan(

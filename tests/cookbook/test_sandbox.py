@@ -171,6 +171,13 @@ def test_the_working_folder_holds_its_tmpfs_size_in_total() -> None:
     assert result.exit_code == 1 and "No space left on device" in result.stderr, result
 
 
+def test_a_launcher_failure_raises_with_its_cause() -> None:
+    if not AS_ROOT or run_python("pass", "", LIMITS).network != "namespace":
+        pytest.skip("the launcher mounts only as root with namespaces")
+    with pytest.raises(RuntimeError, match=r"could not start the program: OSError.*mount on /tmp"):
+        run_python("print('ran')", "", replace(LIMITS, tmpfs_bytes=-1))
+
+
 def _processes_with_argument(argument: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
