@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import re
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
@@ -134,7 +134,7 @@ def authenticate(
     if row.disabled:
         raise PermissionDenied("this tenant is disabled; contact the operator")
     now = clock.now()
-    stale = row.last_used_at is None or now - row.last_used_at >= _LAST_USED_RESOLUTION
+    stale = last_used_is_stale(row.last_used_at, now)
     limited = row.spend_limit_micros is not None or row.session_spend_limit_micros is not None
     return Principal(
         tenant_id=row.tenant_id,
@@ -143,6 +143,11 @@ def authenticate(
         stale_last_used=stale,
         spend_limited=limited,
     )
+
+
+def last_used_is_stale(last_used_at: datetime | None, now: datetime) -> bool:
+    """Whether a key's last-used time is worth writing again (at most once a minute)."""
+    return last_used_at is None or now - last_used_at >= _LAST_USED_RESOLUTION
 
 
 def touch(db: OrmSession, clock: Clock, key_id: str) -> None:

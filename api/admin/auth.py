@@ -3,7 +3,9 @@ admin-scope API key in `X-API-Key` (so every JSON route can be called on its own
 
 A cookie counts only while its signature holds, it has not expired, and its key is still
 unrevoked, admin-scoped and of an enabled tenant: one indexed read per request, so revoking a
-key ends its dashboard sessions at once. A page asked for without a valid cookie redirects to
+key ends its dashboard sessions at once. A cookie session counts as a use of its key, as a key
+sent in the header does: the key's last-used time is kept (at most once a minute) and the
+request's access line names its tenant. A page asked for without a valid cookie redirects to
 the login form (`LoginRequired`); a JSON route answers 401. A tenant-scope key is refused with
 403 everywhere. Forms that change something carry the session's CSRF token (`check_csrf`).
 """
@@ -16,8 +18,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy import select
 
+from api import request_context
 from api.admin import cookies
 from api.deps import API_KEY_HEADER, AppState, State, authenticate
+from core import apikeys
 from core.errors import AuthenticationFailed, PermissionDenied
 from core.tables import ApiKey, Tenant
 
@@ -49,12 +53,22 @@ def session_of(state: AppState, request: Request) -> cookies.AdminSession | None
         return None
     with state.database.reader() as db:
         row = db.execute(
-            select(ApiKey.scope, ApiKey.revoked_at, Tenant.disabled)
+            select(
+                ApiKey.scope,
+                ApiKey.revoked_at,
+                ApiKey.last_used_at,
+                ApiKey.tenant_id,
+                Tenant.disabled,
+            )
             .join(Tenant, Tenant.id == ApiKey.tenant_id)
             .where(ApiKey.id == session.key_id)
         ).one_or_none()
     if row is None or row.revoked_at is not None or row.disabled or row.scope != "admin":
         return None
+    if apikeys.last_used_is_stale(row.last_used_at, state.clock.now()):
+        with state.database.transaction() as db:
+            apikeys.touch(db, state.clock, session.key_id)
+    request_context.note_tenant(row.tenant_id)
     return session
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from api.admin import cookies
 from api.admin.api import csv_cell
 from core.clock import FakeClock
 from core.db import Database
-from core.tables import AuditLog, Tenant
+from core.tables import ApiKey, AuditLog, Tenant
 from scheduler import oplog
 from scheduler.failures import OpFailure
 from tests.builders import TenantKey, record, tenant_factory
@@ -489,3 +490,19 @@ def test_keys_revoked_long_ago_leave_the_list(dashboard: Dashboard) -> None:
     }
     assert d.acme.key_id not in listed  # revoked 14 days ago
     assert {d.globex.key_id, d.admin.key_id} <= listed  # revoked 7 days ago; in use
+
+
+def test_a_cookie_session_is_a_use_of_its_key(
+    dashboard: Dashboard, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = dashboard
+    d.log_in()
+    d.clock.advance(120)
+    with caplog.at_level(logging.INFO, logger="treadle.access"):
+        response = d.client.get("/admin/api/live", headers={"X-Request-Id": "cookie-use"})
+    assert response.status_code == 200
+    with d.database.reader() as db:
+        key = db.get(ApiKey, d.admin.key_id)
+        assert key is not None and key.last_used_at == d.clock.now()
+    [line] = [r for r in caplog.records if r.__dict__.get("request_id") == "cookie-use"]
+    assert line.__dict__["tenant_id"] == d.admin.tenant_id
