@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from api.admin import cookies
+from api.admin import cookies, overview
 from api.admin.api import csv_cell
 from core.clock import FakeClock
 from core.db import Database
@@ -506,3 +506,24 @@ def test_a_cookie_session_is_a_use_of_its_key(
         assert key is not None and key.last_used_at == d.clock.now()
     [line] = [r for r in caplog.records if r.__dict__.get("request_id") == "cookie-use"]
     assert line.__dict__["tenant_id"] == d.admin.tenant_id
+
+
+def test_the_live_page_shows_the_oldest_waiting_ops_and_counts_them_all(
+    dashboard: Dashboard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = dashboard
+    monkeypatch.setattr(overview, "STUCK_SHOWN", 2)
+    rows = Rows(d.database, d.clock)
+    run = rows.run(d.acme.tenant_id, base_model="m/a")
+    # Behind a gap in the run's seq_ids: none can be claimed, so all three wait.
+    waiting = []
+    for seq_id in (5, 6, 7):
+        d.clock.advance(1)  # oldest first: the last is never among the two shown
+        waiting.append(rows.training_op(run, seq_id).request_id)
+    d.clock.advance(90)
+    live = d.client.get("/admin/api/live", headers={"X-API-Key": d.admin.key}).json()
+    shown = [s["op_id"] for s in live["stuck"]]
+    assert len(shown) == 2 and waiting[2] not in shown
+    assert live["stuck_total"] >= 3 and live["stuck_total"] > len(shown)
+    d.log_in()
+    assert "oldest 2 shown" in d.client.get("/admin/live/tables").text
