@@ -1,9 +1,12 @@
 """The admin dashboard's JSON routes and forms through the app (`/admin`, `/admin/api/*`), on
 SQLite and PostgreSQL: usage seeded into the ledger and its rollups comes back summed per
-bucket and group (and as CSV); who gets in (an admin key's cookie or header) and who does not
-(no cookie, a tenant key, a forged, expired or revoked-key cookie); forms refuse posts without
-the session's CSRF token and change limits and keys through the core functions; no page or
-file refers to another origin. tests/e2e/test_admin_browser.py drives the pages in a browser."""
+bucket and group (and as CSV, formula-like names quoted); far-out dates refused; who gets in
+(an admin key's cookie or header) and who does not (no cookie, a tenant key, a forged, expired,
+revoked-key or disabled-tenant cookie); logins and logouts audited; forms refuse posts without
+the session's CSRF token, over-long key names and a key form sent twice, and change limits and
+keys through the core functions; the live, fleet and key lists bounded; answers never cached;
+names escaped; no page or file refers to another origin. tests/e2e/test_admin_browser.py drives
+the pages in a browser."""
 
 from __future__ import annotations
 
