@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.deps import State
 from core.settings import Settings
 from core.tables import Operation, OpStatus
+from scheduler.metrics import LATENCY_BUCKETS
 from scheduler.submit import Submitted
 
 UNMATCHED = "<unmatched>"
@@ -40,24 +41,7 @@ REQUEST_SECONDS = Histogram(
     "Time to answer a request, from its arrival to its last byte, by route template, method "
     "and status class (2xx, 4xx, ...); long-polls of futures last up to TREADLE_LONG_POLL_SECONDS.",
     ["route", "method", "status_class"],
-    buckets=(
-        0.005,
-        0.01,
-        0.025,
-        0.05,
-        0.1,
-        0.25,
-        0.5,
-        1.0,
-        2.5,
-        5.0,
-        10.0,
-        30.0,
-        60.0,
-        120.0,
-        300.0,
-        600.0,
-    ),
+    buckets=LATENCY_BUCKETS,
 )
 REFUSALS = Counter(
     "treadle_http_refusals_total",

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 # The ledger's kinds counted in tokens (checkpoints and storage are not).
 TOKEN_KINDS = ("training", "sampling_prefill", "sampling_sample")
 
-# From a few milliseconds (a queued op claimed at once) to an hour (a long wait for a worker).
-OP_SECONDS_BUCKETS = (
+# From a few milliseconds to ten minutes: an HTTP request, long-polls included.
+LATENCY_BUCKETS = (
     0.005,
     0.01,
     0.025,
@@ -50,9 +50,9 @@ OP_SECONDS_BUCKETS = (
     120.0,
     300.0,
     600.0,
-    1800.0,
-    3600.0,
 )
+# The same up to an hour: an op may wait that long for a worker.
+OP_SECONDS_BUCKETS = (*LATENCY_BUCKETS, 1800.0, 3600.0)
 
 OPS_FINISHED = Counter(
     "treadle_ops_finished_total",
