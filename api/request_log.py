@@ -26,25 +26,6 @@ from api.request_context import HEADER, RequestFacts, opened, request_id_of
 log = logging.getLogger("treadle.access")
 
 
-def _text(
-    method: str,
-    route: str,
-    status: int,
-    duration_ms: float,
-    client: str | None,
-    facts: RequestFacts,
-) -> str:
-    """`GET /api/v1/training_runs/{run_id} 200 12.3 ms rid=... client=... tenant=...`."""
-    line = f"{method} {route} {status} {duration_ms:.1f} ms rid={facts.request_id}"
-    if client is not None:
-        line += f" client={client}"
-    if facts.tenant_id is not None:
-        line += f" tenant={facts.tenant_id}"
-    if facts.op_id is not None:
-        line += f" op={facts.op_id} target={facts.target_id}"
-    return line
-
-
 def _fields(
     method: str,
     route: str,
@@ -53,6 +34,7 @@ def _fields(
     client: str | None,
     facts: RequestFacts,
 ) -> dict[str, object]:
+    """The line's fields, for a structured handler; those without a value are left out."""
     fields: dict[str, object] = {
         "request_id": facts.request_id,
         "method": method,
@@ -66,6 +48,21 @@ def _fields(
         if getattr(facts, name) is not None:
             fields[name] = getattr(facts, name)
     return fields
+
+
+def _text(fields: dict[str, object]) -> str:
+    """`GET /api/v1/training_runs/{run_id} 200 12.3 ms rid=... client=... tenant=...`."""
+    line = (
+        f"{fields['method']} {fields['route']} {fields['status']} "
+        f"{fields['duration_ms']:.1f} ms rid={fields['request_id']}"
+    )
+    if "client" in fields:
+        line += f" client={fields['client']}"
+    if "tenant_id" in fields:
+        line += f" tenant={fields['tenant_id']}"
+    if "op_id" in fields:
+        line += f" op={fields['op_id']} target={fields.get('target_id')}"
+    return line
 
 
 class RequestLog:
@@ -96,12 +93,15 @@ class RequestLog:
         finally:
             if log.isEnabledFor(logging.INFO):
                 duration_ms = round((time.perf_counter() - started) * 1000, 1)
-                method, route, client = scope["method"], route_template(scope), _client(scope)
-                log.info(
-                    "%s",
-                    _text(method, route, status, duration_ms, client, facts),
-                    extra=_fields(method, route, status, duration_ms, client, facts),
+                fields = _fields(
+                    scope["method"],
+                    route_template(scope),
+                    status,
+                    duration_ms,
+                    _client(scope),
+                    facts,
                 )
+                log.info("%s", _text(fields), extra=fields)
 
 
 def _client(scope: Scope) -> str | None:
