@@ -487,6 +487,88 @@ def test_margins_pair_up_interleaved_rewards() -> None:
     assert preference.margins([-1.0, -3.0, -2.0, -2.0], [-2.0, -2.0, -2.0, -1.0]) == [2.0, 1.0]
 
 
+def test_a_batch_brings_its_pairs_reference_values_in_order() -> None:
+    # Six datums (three pairs); datum i's token and reference value are both i.
+    datums = [
+        Datum(
+            model_input=ModelInput.from_ints([i]),
+            loss_fn_inputs={"target_tokens": [i], "weights": [1.0]},
+        )
+        for i in range(6)
+    ]
+    run = preference.PreferenceRun(
+        training_client=None,  # type: ignore[arg-type]  # batch() needs no server
+        start_step=0,
+        train_data=datums,
+        held_out_data=[],
+        reference={"train": [float(i) for i in range(6)], "held_out": []},
+    )
+    first_rows = []
+    for step in range(3):
+        batch, values = run.batch(step, batch_size=1, seed=0)
+        rows = [datum.model_input.to_ints()[0] for datum in batch]
+        assert rows[0] % 2 == 0 and rows[1] == rows[0] + 1  # chosen, then its rejected
+        assert values == [float(row) for row in rows]
+        first_rows.append(rows[0])
+    assert sorted(first_rows) == [0, 2, 4]  # one epoch sees every pair once
+
+
+_OPTIONS = {"model": "treadle/tiny-1m", "data": "pairs.jsonl", "seed": 0, "held_out_fraction": 0.2}
+
+
+def test_the_reference_reads_back_for_the_same_options_and_tokens(tmp_path: Path) -> None:
+    data_, _, reference = _pair_batch()
+    splits = {"train": data_, "held_out": data_[:2]}
+    values = {"train": reference, "held_out": reference[:2]}
+    path = tmp_path / preference.REFERENCE_FILE
+    preference.save_reference(path, values, _OPTIONS, splits)
+    assert preference.load_reference(path, dict(_OPTIONS), splits) == values
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"seed": 1}, "with --seed 0 \\(this run: 1\\); rerun with those values"),
+        ({"held_out_fraction": 0.5}, "--held_out_fraction 0.2 \\(this run: 0.5\\)"),
+        (
+            {"data": "other.jsonl", "model": "m"},
+            "--model 'treadle/tiny-1m' \\(this run: 'm'\\), --data",
+        ),
+    ],
+)
+def test_the_reference_refuses_other_options(
+    tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
+    data_, _, reference = _pair_batch()
+    splits = {"train": data_, "held_out": []}
+    path = tmp_path / preference.REFERENCE_FILE
+    preference.save_reference(path, {"train": reference, "held_out": []}, _OPTIONS, splits)
+    with pytest.raises(SystemExit, match=message):
+        preference.load_reference(path, {**_OPTIONS, **changes}, splits)
+
+
+def test_the_reference_refuses_other_tokens_and_a_missing_file(tmp_path: Path) -> None:
+    data_, _, reference = _pair_batch()
+    path = tmp_path / preference.REFERENCE_FILE
+    preference.save_reference(
+        path, {"train": reference, "held_out": []}, _OPTIONS, {"train": data_, "held_out": []}
+    )
+    edited = data_[0].model_copy(update={"model_input": ModelInput.from_ints([1, 2, 9])})
+    with pytest.raises(SystemExit, match=r"other tokens than this run's.*pass a new --log_dir"):
+        preference.load_reference(path, _OPTIONS, {"train": [edited, *data_[1:]], "held_out": []})
+    # The same datums split differently are other data too.
+    with pytest.raises(SystemExit, match="other tokens"):
+        preference.load_reference(path, _OPTIONS, {"train": data_[:2], "held_out": data_[2:]})
+    with pytest.raises(SystemExit, match="is missing and cannot be recomputed"):
+        preference.load_reference(tmp_path / "none.json", _OPTIONS, {"train": data_})
+
+
+def test_the_losses_name_the_extra_that_installs_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'treadle-cookbook\[preference\]'"):
+        preference.dpo_loss([0.0, 0.0], beta=0.1)
+
+
 # -- distillation ---------------------------------------------------------------------------
 
 

@@ -2,8 +2,9 @@
 
 Each recipe's `main` runs in this process with command-line arguments, on treadle/tiny-1m for
 a few steps, and the test reads back what it wrote to its log folder: the loss falls (SFT), the
-preference margin rises above zero (DPO, KTO), the student's KL to its teacher falls (distill),
-and a rerun with more steps continues from the last checkpoint (SFT).
+preference margin rises above zero from exactly zero (DPO, KTO), the student's KL to its teacher
+falls (distill), a rerun with more steps continues from the last checkpoint (SFT), and a rerun on
+other pairs is refused (DPO, KTO).
 """
 
 from __future__ import annotations
@@ -69,11 +70,21 @@ def test_preference_recipes_raise_the_margin(
     recipe.main([*connection, *args])
     margins = _values(log_dir, "train_margin")
     assert [step for step, _ in margins] == [0, 8]
-    assert abs(margins[0][1]) < 1e-3  # the policy starts as the reference
+    # The reference is the trainer's own forward on the initial weights, so the policy starts
+    # exactly at it: no sampler/trainer difference shifts the margins.
+    assert margins[0][1] == 0.0
+    assert _values(log_dir, "held_out_margin")[0][1] == 0.0
     assert margins[-1][1] > 0.2, margins
     assert len(_values(log_dir, key)) == 8
-    assert json.loads((log_dir / "reference.json").read_text()).keys() == {"train", "held_out"}
+    reference = json.loads((log_dir / "reference.json").read_text())
+    assert reference.keys() == {"options", "tokens_sha256", "train", "held_out"}
     assert (log_dir / "margin.png").exists()
+
+    # A resume on other pairs would pair the reference with the wrong replies: it is refused.
+    saved = checkpoints.read(log_dir)
+    with pytest.raises(SystemExit, match=r"with --seed 0 \(this run: 1\)"):
+        recipe.main([*connection, *args, "--steps", "10", "--seed", "1"])
+    assert checkpoints.read(log_dir) == saved  # it stopped before training
 
 
 def test_distill_lowers_the_kl_to_the_teacher(connection: list[str], tmp_path: Path) -> None:
