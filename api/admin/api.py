@@ -23,8 +23,7 @@ from api.admin.usage import (
     Bucket,
     Group,
     UsageChart,
-    default_range,
-    parse_moment,
+    parse_range,
     usage_chart,
 )
 from api.deps import ReadSession, State
@@ -182,14 +181,8 @@ class FleetOut(_Rows):
 def _chart(
     state: State, db: ReadSession, start: str | None, end: str | None, bucket: Bucket, group: Group
 ) -> UsageChart:
-    first, last = default_range(state.clock.now())
-    return usage_chart(
-        db,
-        first if start is None else parse_moment(start, "start"),
-        last if end is None else parse_moment(end, "end"),
-        bucket,
-        group,
-    )
+    first, last = parse_range(start, end, state.clock.now())
+    return usage_chart(db, first, last, bucket, group)
 
 
 @router.get("/usage")

@@ -26,7 +26,7 @@ from api.admin.usage import (
     Group,
     check_range,
     default_range,
-    parse_moment,
+    parse_range,
 )
 from api.deps import AppState, State, authenticate
 from core import audit
@@ -130,11 +130,9 @@ def usage_page(
     bucket: Bucket = "day",
     group: Group = "tenant",
 ) -> HTMLResponse:
-    first, last = default_range(state.clock.now())
     error = None
     try:
-        first = first if start is None else parse_moment(start, "start")
-        last = last if end is None else parse_moment(end, "end")
+        first, last = parse_range(start, end, state.clock.now())
         check_range(first, last, bucket)
     except InvalidInput as invalid:
         error, (first, last) = str(invalid), default_range(state.clock.now())

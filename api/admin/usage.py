@@ -202,3 +202,13 @@ def default_range(now: datetime) -> tuple[datetime, datetime]:
     """The last seven days, today's included."""
     end = _floor(now, "day") + timedelta(days=1)
     return end - timedelta(days=7), end
+
+
+def parse_range(start: str | None, end: str | None, now: datetime) -> tuple[datetime, datetime]:
+    """The range a page or route was asked for: each bound parsed by `parse_moment`, the
+    default range's where absent."""
+    first, last = default_range(now)
+    return (
+        first if start is None else parse_moment(start, "start"),
+        last if end is None else parse_moment(end, "end"),
+    )
