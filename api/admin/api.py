@@ -3,8 +3,11 @@
 Each route answers a browser holding an admin session cookie or a client sending an admin key
 in `X-API-Key` (`api.admin.auth`); nothing here changes a row, and no answer may be cached
 (`Cache-Control: no-store`, as the pages). The CSV's text cells that a spreadsheet would take
-for a formula (a tenant or key name may start with `=`) are prefixed with `'`. The
-routes are kept out of the OpenAPI document: they serve the dashboard, and may change with it.
+for a formula (a tenant or key name may start with `=`) are prefixed with `'`. The answers
+are the read models' frozen dataclasses (`api.admin.overview`, `scheduler.fleet`), which
+FastAPI serialises as they are, so each shape is declared once; only the usage answer adds a
+field, each top tenant's cost in dollars. The routes are kept out of the OpenAPI document: they
+serve the dashboard, and may change with it.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from datetime import datetime
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from api.admin import overview
 from api.admin.auth import ApiAdmin
 from api.admin.usage import (
     Bucket,
     Group,
+    Series,
     UsageChart,
     parse_range,
     usage_chart,
@@ -46,18 +50,9 @@ def csv_cell(text: str) -> str:
     return f"'{text}" if text.startswith(_FORMULA_STARTS) else text
 
 
-class _Rows(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
+class TenantTotalOut(BaseModel):
+    """A top tenant of the range, with its cost in dollars beside the micros."""
 
-
-class SeriesOut(_Rows):
-    key: str
-    label: str
-    tokens: list[int]
-    cost_micros: list[int]
-
-
-class TenantTotalOut(_Rows):
     tenant_id: str
     name: str
     tokens: int
@@ -65,117 +60,19 @@ class TenantTotalOut(_Rows):
     cost: str
 
 
-class UsageOut(_Rows):
+class UsageOut(BaseModel):
     start: datetime
     end: datetime
     bucket: Bucket
     group: Group
     buckets: list[datetime]
-    series: list[SeriesOut]
+    series: list[Series]
     top_tenants: list[TenantTotalOut]
 
 
-class TenantOut(_Rows):
-    tenant_id: str
-    name: str
-    disabled: bool
-    max_concurrent_sessions: int
-    open_sessions: int
-    max_lora_rank: int
-    spend_limit_micros: int | None
-    session_spend_limit_micros: int | None
-    spent_micros: int
-    max_training_runs: int
-    max_queued_ops: int
-
-
-class KeyOut(_Rows):
-    key_id: str
-    tenant_id: str
-    tenant_name: str
-    name: str
-    scope: str
-    created_at: datetime
-    last_used_at: datetime | None
-    revoked_at: datetime | None
-
-
-class TenantsOut(_Rows):
-    tenants: list[TenantOut]
-    keys: list[KeyOut]
-
-
-class SessionOut(_Rows):
-    session_id: str
-    tenant_name: str
-    kind: str
-    created_at: datetime
-    idle_seconds: float
-
-
-class RunOut(_Rows):
-    run_id: str
-    tenant_id: str
-    tenant_name: str
-    base_model: str
-    lora_rank: int
-    worker_id: str | None
-    status: str
-    ops_in_flight: int
-    last_op_age_seconds: float | None
-
-
-class StuckOut(_Rows):
-    op_id: str
-    tenant_id: str
-    target_id: str
-    seq_id: int | None
-    kind: str
-    status: str
-    waited_seconds: float
-    reason: str
-
-
-class FailedOut(_Rows):
-    op_id: str
-    tenant_name: str
-    kind: str
-    error_code: str | None
-    error_category: str | None
-    error_message: str
-    finished_at: datetime | None
-
-
-class LiveOut(_Rows):
-    sessions: list[SessionOut]
-    runs: list[RunOut]
-    stuck: list[StuckOut]
-    stuck_total: int
-    failed: list[FailedOut]
-
-
-class WorkerOut(_Rows):
-    worker_id: str
-    hostname: str
-    device: str
-    status: str
-    lease_expires_in_seconds: float
-    runs_placed: int
-    runs_reported: int
-    adapter_bytes: int
-    queued_ops: int
-
-
-class DepartureOut(_Rows):
-    worker_id: str
-    hostname: str
-    status: str
-    at: datetime
-
-
-class FleetOut(_Rows):
-    workers: list[WorkerOut]
-    departures: list[DepartureOut]
+class TenantsOut(BaseModel):
+    tenants: list[overview.TenantRow]
+    keys: list[overview.KeyRow]
 
 
 def _chart(
@@ -204,7 +101,7 @@ def usage(
         bucket=chart.bucket,
         group=chart.group,
         buckets=chart.buckets,
-        series=[SeriesOut.model_validate(s) for s in chart.series],
+        series=chart.series,
         top_tenants=[
             TenantTotalOut(
                 tenant_id=t.tenant_id,
@@ -253,21 +150,18 @@ def tenants(_: ApiAdmin, state: State, db: ReadSession) -> TenantsOut:
     """Every tenant's limits, its spend this period and its open sessions; the API keys
     unrevoked or revoked in the last week."""
     now = state.clock.now()
-    return TenantsOut(
-        tenants=[TenantOut.model_validate(t) for t in overview.tenant_rows(db, now)],
-        keys=[KeyOut.model_validate(k) for k in overview.key_rows(db, now)],
-    )
+    return TenantsOut(tenants=overview.tenant_rows(db, now), keys=overview.key_rows(db, now))
 
 
 @router.get("/live")
-def live(_: ApiAdmin, state: State, db: ReadSession) -> LiveOut:
+def live(_: ApiAdmin, state: State, db: ReadSession) -> overview.Live:
     """Open sessions, live training runs, the oldest operations waiting long (and how many
     wait), and recent failures."""
-    return LiveOut.model_validate(overview.live(db, state.clock.now(), state.settings))
+    return overview.live(db, state.clock.now(), state.settings)
 
 
 @router.get("/fleet")
-def fleet(_: ApiAdmin, state: State, db: ReadSession) -> FleetOut:
+def fleet(_: ApiAdmin, state: State, db: ReadSession) -> overview.Fleet:
     """The workers that run or hold queued ops, what each holds, and the latest workers that
     went away in the last day."""
-    return FleetOut.model_validate(overview.fleet_view(db, state.clock.now()))
+    return overview.fleet_view(db, state.clock.now())
