@@ -127,12 +127,16 @@ def usage_chart(
     ).all()
     moments = _buckets(start, end, bucket)
     index = {moment: i for i, moment in enumerate(moments)}
+    # Rows repeat each bucket once per group: read each bucket's value from the database once.
+    position: dict[object, int] = {}
     cells: dict[str, tuple[list[int], list[int]]] = {}
     for moment, key, tokens, cost in rows:
         tokens_by_bucket, cost_by_bucket = cells.setdefault(
             str(key), ([0] * len(moments), [0] * len(moments))
         )
-        i = index[_floor(_utc(moment), bucket)]
+        if moment not in position:
+            position[moment] = index[_floor(_utc(moment), bucket)]
+        i = position[moment]
         tokens_by_bucket[i] += int(tokens or 0)
         cost_by_bucket[i] += int(cost or 0)
     ranked = sorted(cells, key=lambda k: (-sum(cells[k][1]), -sum(cells[k][0]), k))
