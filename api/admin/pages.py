@@ -11,11 +11,14 @@ takes the forms that change something.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlalchemy.orm import Session as OrmSession
 
 from api.admin import cookies, overview
 from api.admin.auth import Admin, PageAdmin, check_csrf, session_of
@@ -154,15 +157,20 @@ def usage_page(
     )
 
 
-def _live_values(state: AppState) -> dict[str, Any]:
+def _refreshed_values(
+    state: AppState, title: str, name: str, read: Callable[[OrmSession, datetime], object]
+) -> dict[str, Any]:
+    """A page that refreshes itself: what `read` finds now, under `name`, and when that was."""
     now = state.clock.now()
     with state.database.reader() as db:
-        live = overview.live(db, now, state.settings)
-    return {
-        "title": "Live",
-        "live": live,
-        "now": moment(now),
-        "refresh_seconds": REFRESH_SECONDS,
+        found = read(db, now)
+    return {"title": title, name: found, "now": moment(now), "refresh_seconds": REFRESH_SECONDS}
+
+
+def _live_values(state: AppState) -> dict[str, Any]:
+    return _refreshed_values(
+        state, "Live", "live", lambda db, now: overview.live(db, now, state.settings)
+    ) | {
         "stuck_after": int(overview.STUCK_AFTER_SECONDS),
         "failed_shown": overview.FAILED_OPS_SHOWN,
     }
@@ -180,15 +188,7 @@ def live_tables(request: Request, state: State, admin: PageAdmin) -> HTMLRespons
 
 
 def _fleet_values(state: AppState) -> dict[str, Any]:
-    now = state.clock.now()
-    with state.database.reader() as db:
-        fleet = overview.fleet_view(db, now)
-    return {
-        "title": "Fleet",
-        "fleet": fleet,
-        "now": moment(now),
-        "refresh_seconds": REFRESH_SECONDS,
-    }
+    return _refreshed_values(state, "Fleet", "fleet", overview.fleet_view)
 
 
 @router.get("/fleet")
