@@ -34,9 +34,12 @@ class Cluster:
     # Each process keeps its own data folder (as on separate machines) instead of sharing one.
     private_data: bool = False
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """`treadle-server *args`, logging to `<name>.log`, with `env` added to the cluster's."""
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (kept open for the process)
-        env = self.env
+        env = {**self.env, **(env or {})}
         if self.private_data:
             env = {**env, "TREADLE_DATA_DIR": str(self.root / f"data-{name}")}
         return subprocess.Popen(
@@ -45,7 +48,7 @@ class Cluster:
 
     def start_api(self, name: str) -> str:
         port = free_port()
-        self.apis[name] = self._spawn(name, "api", "--port", str(port))
+        self.apis[name] = self.spawn(name, "api", "--port", str(port))
         url = f"http://127.0.0.1:{port}"
         _wait_http(f"{url}/api/v1/healthz", self.root / f"{name}.log")
         self.api_urls[name] = url
@@ -55,10 +58,10 @@ class Cluster:
         args = ["worker", "--device", "cpu", "--worker-id", name]
         for model in models or ("treadle/tiny-1m",):
             args += ["--models", model]
-        self.workers[name] = self._spawn(name, *args)
+        self.workers[name] = self.spawn(name, *args)
 
     def start_beat(self) -> None:
-        self.beat = self._spawn("beat", "beat")
+        self.beat = self.spawn("beat", "beat")
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -21,14 +21,7 @@ MAX_AGE = "30"
 
 
 def spawn(group: Cluster, name: str, alive: Path, *args: str) -> subprocess.Popen[bytes]:
-    log = open(group.root / f"{name}.log", "ab")  # noqa: SIM115  (kept open for the process)
-    return subprocess.Popen(
-        [CLI, *args],
-        env={**group.env, "TREADLE_LIVENESS_FILE": str(alive)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return group.spawn(name, *args, env={"TREADLE_LIVENESS_FILE": str(alive)})
 
 
 def probe(alive: Path) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
 from tests.builders import tenant_factory
-from tests.cluster import CLI, SECRET, Cluster, cluster
+from tests.cluster import SECRET, Cluster, cluster
 from tests.e2e.treadle_data import MODEL, sft_datum
 from tests.scrape import by, eventually, reachable, scrape
 from tests.services import free_port, throwaway_database
@@ -27,14 +27,7 @@ TOKEN = "metrics-token-0123456789"
 
 
 def spawn(group: Cluster, name: str, port: int, *args: str) -> subprocess.Popen[bytes]:
-    log = open(group.root / f"{name}.log", "ab")  # noqa: SIM115  (kept open for the process)
-    return subprocess.Popen(
-        [CLI, *args],
-        env={**group.env, "TREADLE_METRICS_PORT": str(port)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return group.spawn(name, *args, env={"TREADLE_METRICS_PORT": str(port)})
 
 
 def test_each_process_serves_its_own_metrics(
