@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import csv
 import io
+from dataclasses import asdict
 from datetime import datetime
+from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
@@ -76,25 +78,25 @@ class TenantsOut(BaseModel):
 
 
 def _chart(
-    state: State, db: ReadSession, start: str | None, end: str | None, bucket: Bucket, group: Group
-) -> UsageChart:
-    first, last = parse_range(start, end, state.clock.now())
-    return usage_chart(db, first, last, bucket, group)
-
-
-@router.get("/usage")
-def usage(
-    _: ApiAdmin,
     state: State,
     db: ReadSession,
     start: str | None = None,
     end: str | None = None,
     bucket: Bucket = "day",
     group: Group = "tenant",
-) -> UsageOut:
+) -> UsageChart:
+    first, last = parse_range(start, end, state.clock.now())
+    return usage_chart(db, first, last, bucket, group)
+
+
+# The chart a usage route's query asks for, parsed once its admin is authenticated.
+Chart = Annotated[UsageChart, Depends(_chart)]
+
+
+@router.get("/usage")
+def usage(_: ApiAdmin, chart: Chart) -> UsageOut:
     """Tokens and cost per bucket of [start, end) (dates or ISO times, UTC by default; the last
     seven days when absent), one series per group, and the top tenants of the range."""
-    chart = _chart(state, db, start, end, bucket, group)
     return UsageOut(
         start=chart.start,
         end=chart.end,
@@ -103,33 +105,17 @@ def usage(
         buckets=chart.buckets,
         series=chart.series,
         top_tenants=[
-            TenantTotalOut(
-                tenant_id=t.tenant_id,
-                name=t.name,
-                tokens=t.tokens,
-                cost_micros=t.cost_micros,
-                cost=dollars(t.cost_micros),
-            )
-            for t in chart.top_tenants
+            TenantTotalOut(**asdict(t), cost=dollars(t.cost_micros)) for t in chart.top_tenants
         ],
     )
 
 
 @router.get("/usage.csv")
-def usage_csv(
-    _: ApiAdmin,
-    state: State,
-    db: ReadSession,
-    start: str | None = None,
-    end: str | None = None,
-    bucket: Bucket = "day",
-    group: Group = "tenant",
-) -> Response:
+def usage_csv(_: ApiAdmin, chart: Chart) -> Response:
     """The same numbers as `/admin/api/usage`, one line per bucket and group with usage."""
-    chart = _chart(state, db, start, end, bucket, group)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["bucket_start", group, "label", "tokens", "cost_micros", "cost"])
+    writer.writerow(["bucket_start", chart.group, "label", "tokens", "cost_micros", "cost"])
     for series in chart.series:
         for moment, tokens, cost in zip(
             chart.buckets, series.tokens, series.cost_micros, strict=True
@@ -137,7 +123,7 @@ def usage_csv(
             if tokens or cost:
                 key, label = csv_cell(series.key), csv_cell(series.label)
                 writer.writerow([moment.isoformat(), key, label, tokens, cost, dollars(cost)])
-    name = f"usage-{chart.start:%Y%m%d}-{chart.end:%Y%m%d}-{bucket}-{group}.csv"
+    name = f"usage-{chart.start:%Y%m%d}-{chart.end:%Y%m%d}-{chart.bucket}-{chart.group}.csv"
     return Response(
         out.getvalue(),
         media_type="text/csv; charset=utf-8",
