@@ -29,6 +29,7 @@ from api.admin.usage import (
     Group,
     Series,
     UsageChart,
+    UsageQuery,
     parse_range,
     usage_chart,
 )
@@ -77,16 +78,9 @@ class TenantsOut(BaseModel):
     keys: list[overview.KeyRow]
 
 
-def _chart(
-    state: State,
-    db: ReadSession,
-    start: str | None = None,
-    end: str | None = None,
-    bucket: Bucket = "day",
-    group: Group = "tenant",
-) -> UsageChart:
-    first, last = parse_range(start, end, state.clock.now())
-    return usage_chart(db, first, last, bucket, group)
+def _chart(state: State, db: ReadSession, query: Annotated[UsageQuery, Depends()]) -> UsageChart:
+    first, last = parse_range(query.start, query.end, state.clock.now())
+    return usage_chart(db, first, last, query.bucket, query.group)
 
 
 # The chart a usage route's query asks for, parsed once its admin is authenticated.

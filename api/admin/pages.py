@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.orm import Session as OrmSession
 
@@ -25,8 +25,7 @@ from api.admin.auth import Admin, PageAdmin, check_csrf, session_of
 from api.admin.render import HEADERS, HERE, Form, moment, redirect, render, root, tenants_page
 from api.admin.usage import (
     TOP_SERIES,
-    Bucket,
-    Group,
+    UsageQuery,
     check_range,
     default_range,
     parse_range,
@@ -128,19 +127,17 @@ def usage_page(
     request: Request,
     state: State,
     admin: PageAdmin,
-    start: str | None = None,
-    end: str | None = None,
-    bucket: Bucket = "day",
-    group: Group = "tenant",
+    query: Annotated[UsageQuery, Depends()],
 ) -> HTMLResponse:
+    bucket, group = query.bucket, query.group
     error = None
     try:
-        first, last = parse_range(start, end, state.clock.now())
+        first, last = parse_range(query.start, query.end, state.clock.now())
         check_range(first, last, bucket)
     except InvalidInput as invalid:
         error, (first, last) = str(invalid), default_range(state.clock.now())
     dates = {"start": first.date().isoformat(), "end": last.date().isoformat()}
-    query = urlencode(dates | {"bucket": bucket, "group": group})
+    link = urlencode(dates | {"bucket": bucket, "group": group})
     return render(
         request,
         state,
@@ -151,7 +148,7 @@ def usage_page(
         **dates,
         bucket=bucket,
         group=group,
-        query=query,
+        query=link,
         error=error,
         top_series=TOP_SERIES,
     )

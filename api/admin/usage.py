@@ -43,6 +43,17 @@ _COST = func.sum(UsageRollup.amount_micros)
 
 
 @dataclass(frozen=True)
+class UsageQuery:
+    """What a usage page or route is asked for: the range's bounds as sent (dates or ISO
+    times; the default range's where absent), its buckets and how its series are grouped."""
+
+    start: str | None = None
+    end: str | None = None
+    bucket: Bucket = "day"
+    group: Group = "tenant"
+
+
+@dataclass(frozen=True)
 class Series:
     """One group's tokens and cost per bucket, aligned with `UsageChart.buckets`."""
 
