@@ -4,18 +4,15 @@ Each route answers a browser holding an admin session cookie or a client sending
 in `X-API-Key` (`api.admin.auth`); nothing here changes a row, and no answer may be cached
 (`Cache-Control: no-store`, as the pages). The CSV's text cells that a spreadsheet would take
 for a formula (a tenant or key name may start with `=`) are prefixed with `'`. The answers
-are the read models' frozen dataclasses (`api.admin.overview`, `scheduler.fleet`), which
-FastAPI serialises as they are, so each shape is declared once; only the usage answer adds a
-field, each top tenant's cost in dollars. The routes are kept out of the OpenAPI document: they
-serve the dashboard, and may change with it.
+are the read models' frozen dataclasses (`api.admin.usage`, `api.admin.overview`,
+`scheduler.fleet`), which FastAPI serialises as they are, so each shape is declared once. The
+routes are kept out of the OpenAPI document: they serve the dashboard, and may change with it.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-from dataclasses import asdict
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
@@ -25,9 +22,6 @@ from pydantic import BaseModel
 from api.admin import overview
 from api.admin.auth import ApiAdmin
 from api.admin.usage import (
-    Bucket,
-    Group,
-    Series,
     UsageChart,
     UsageQuery,
     parse_range,
@@ -53,26 +47,6 @@ def csv_cell(text: str) -> str:
     return f"'{text}" if text.startswith(_FORMULA_STARTS) else text
 
 
-class TenantTotalOut(BaseModel):
-    """A top tenant of the range, with its cost in dollars beside the micros."""
-
-    tenant_id: str
-    name: str
-    tokens: int
-    cost_micros: int
-    cost: str
-
-
-class UsageOut(BaseModel):
-    start: datetime
-    end: datetime
-    bucket: Bucket
-    group: Group
-    buckets: list[datetime]
-    series: list[Series]
-    top_tenants: list[TenantTotalOut]
-
-
 class TenantsOut(BaseModel):
     tenants: list[overview.TenantRow]
     keys: list[overview.KeyRow]
@@ -88,20 +62,10 @@ Chart = Annotated[UsageChart, Depends(_chart)]
 
 
 @router.get("/usage")
-def usage(_: ApiAdmin, chart: Chart) -> UsageOut:
+def usage(_: ApiAdmin, chart: Chart) -> UsageChart:
     """Tokens and cost per bucket of [start, end) (dates or ISO times, UTC by default; the last
     seven days when absent), one series per group, and the top tenants of the range."""
-    return UsageOut(
-        start=chart.start,
-        end=chart.end,
-        bucket=chart.bucket,
-        group=chart.group,
-        buckets=chart.buckets,
-        series=chart.series,
-        top_tenants=[
-            TenantTotalOut(**asdict(t), cost=dollars(t.cost_micros)) for t in chart.top_tenants
-        ],
-    )
+    return chart
 
 
 @router.get("/usage.csv")

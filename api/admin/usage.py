@@ -18,6 +18,7 @@ from typing import Any, Literal
 from sqlalchemy import ColumnElement, case, func, literal_column, select
 from sqlalchemy.orm import Session as OrmSession
 
+from billing.limits import dollars
 from billing.prices import TOKEN_KINDS
 from billing.tables import NO_DIMENSION, UsageRollup
 from core.errors import InvalidInput
@@ -69,6 +70,8 @@ class TenantTotal:
     name: str
     tokens: int
     cost_micros: int
+    cost: str
+    """The same cost in dollars, as the dashboard shows it."""
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,10 @@ def top_tenants(db: OrmSession, start: datetime, end: datetime) -> list[TenantTo
         .order_by(cost.desc(), tokens.desc(), Tenant.name)
         .limit(TOP_TENANTS)
     ).all()
-    return [TenantTotal(tid, name, int(t or 0), int(c or 0)) for tid, name, t, c in rows]
+    return [
+        TenantTotal(tid, name, int(t or 0), int(c or 0), dollars(int(c or 0)))
+        for tid, name, t, c in rows
+    ]
 
 
 def _labels(db: OrmSession, group: Group, keys: list[str]) -> dict[str, str]:
