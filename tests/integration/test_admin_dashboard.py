@@ -180,7 +180,7 @@ def test_only_an_admin_gets_in_and_a_cookie_counts_only_while_valid(
     assert "HttpOnly" in set_cookie and "SameSite=strict" in set_cookie
     assert "Secure" not in set_cookie  # plain http here; see the https test
     value = d.client.cookies[cookies.COOKIE_NAME]
-    assert d.admin.key not in value and d.admin.key.split("-")[2] not in value
+    assert d.admin.key not in value and d.admin.key.split("-", 2)[2] not in value
     for path in routes + pages:
         assert d.client.get(path).status_code == 200, path
 
@@ -301,8 +301,9 @@ def test_live_and_fleet_show_sessions_runs_failures_and_workers(dashboard: Dashb
     # Behind a gap in its run's seq_ids, so no worker can claim it: it waits for certain.
     waiting = rows.training_op(run, 5).request_id
     failing = rows.run(d.globex.tenant_id, base_model="m/a")
+    # Behind a gap too, so the embedded engine never claims it before it is failed here.
+    op = rows.op(rows.training_op(failing, 7).request_id)
     with d.database.transaction() as db:
-        op = rows.ops(failing)[0]
         loaded = db.merge(op)
         oplog.fail_now(loaded, OpFailure.user("rank too large for this model"), d.clock.now())
     d.clock.advance(90)
@@ -311,7 +312,7 @@ def test_live_and_fleet_show_sessions_runs_failures_and_workers(dashboard: Dashb
     live = d.client.get("/admin/api/live", headers=headers).json()
     assert {s["tenant_name"] for s in live["sessions"]} == {"acme", "globex"}
     assert run in [r["run_id"] for r in live["runs"]]
-    # The embedded engine may fail the other run's create_model too (no engine serves m/a).
+    # The embedded engine may fail the runs' create_model too (no engine serves m/a).
     failed = next(f for f in live["failed"] if f["op_id"] == op.id)
     assert failed["error_code"] == "invalid_input" and failed["tenant_name"] == "globex"
     assert "rank too large" in failed["error_message"]
