@@ -75,10 +75,12 @@ class Config(RecipeConfig):
 def load_task(
     cfg: Config, codec: Codec, start: int
 ) -> tuple[Iterator[arith.Problem], list[arith.Problem], RolloutSpec]:
-    """Training problems (endless; a run resumed at `start` does not replay the first
-    steps' ones), held-out problems, and how to sample and grade them."""
+    """Training problems (endless; a run resumed at `start` goes on past the problems of the
+    steps before it: in sync mode exactly the uninterrupted run's), held-out problems, and how
+    to sample and grade them."""
     if cfg.task == "arith":
-        train = arith.training_problems(cfg.seed * 1_000_003 + start)
+        stream = arith.training_problems(cfg.seed * 1_000_003)
+        train = itertools.islice(stream, start * cfg.groups_per_step, None)
         held_out = arith.held_out()
         grade, max_tokens = arith.exact_match, arith.ANSWER_TOKENS
     else:
