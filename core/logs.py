@@ -76,12 +76,25 @@ class JsonFormatter(logging.Formatter):
 
 class _TreadleHandler(logging.StreamHandler):
     """Marks the handler `configure` installs, so configuring again replaces it and nothing
-    else (a test runner's capture handler stays)."""
+    else (a test runner's capture handler stays). It writes to whatever `sys.stderr` is when a
+    line is emitted, not to the stream of the moment it was made: a command run in-process (a
+    test's CLI runner) swaps stderr and closes its own afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
 
 
 def configure(settings: Settings) -> None:
     """Send every logger's lines to stderr in `settings.log_format`, at `settings.log_level`."""
-    handler = _TreadleHandler(sys.stderr)
+    handler = _TreadleHandler()
     handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _TreadleHandler)]:
