@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 from api import dbschema
+from core import logs
 from core.db import Database
 from tests import services
 from tests.server import AppFactory, build_app
@@ -87,3 +89,23 @@ def app_factory(tmp_path: Path) -> AppFactory:
     database, its data under this test's `tmp_path` (its SQLite file too, unless a URL is
     given). Enter `TestClient(app)` or `running_server(app)` to start it."""
     return functools.partial(build_app, tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """Restore the process's logging after each test. Commands run in-process (a CLI runner's
+    `migrate`, `serve`) configure logging for the whole process (`core.logs.configure`): root
+    handler and level, uvicorn's loggers, alembic's level, warnings captured. Without this, a
+    test's outcome could depend on which test configured logging before it."""
+    root = logging.getLogger()
+    named = [logging.getLogger(name) for name in (*logs.UVICORN_LOGGERS, logs.MIGRATION_LOGGER)]
+    saved = (root.handlers[:], root.level)
+    saved_named = [(lg, lg.handlers[:], lg.propagate, lg.level) for lg in named]
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    for lg, handlers, propagate, level in saved_named:
+        lg.handlers[:] = handlers
+        lg.propagate = propagate
+        lg.setLevel(level)
+    logging.captureWarnings(False)

@@ -172,6 +172,7 @@ def test_an_op_claimed_max_attempts_times_is_given_up_and_its_run_goes_on(
         host = make_host(max_attempts=2)  # registering requeues what it left running
     finished = {"kind": "optim_step", "outcome": "failed", "category": "server"}
     before = REGISTRY.get_sample_value("treadle_ops_finished_total", finished) or 0.0
+    caplog.clear()  # only the lines of what follows
     with caplog.at_level(logging.INFO, logger="treadle.ops"):
         tasks, given_up = host._claim()
     assert (tasks, given_up) == ([], 1)
@@ -197,6 +198,7 @@ def test_an_op_released_after_its_last_attempt_is_given_up_and_counted(
     tasks, _ = host._claim()
     finished = {"kind": "optim_step", "outcome": "failed", "category": "server"}
     before = REGISTRY.get_sample_value("treadle_ops_finished_total", finished) or 0.0
+    caplog.clear()  # only the lines of what follows
     with caplog.at_level(logging.INFO, logger="treadle.ops"):
         host._requeue(tasks, counted=True)  # as after a failed engine step
     [line] = [r for r in caplog.records if r.name == "treadle.ops"]
