@@ -388,37 +388,6 @@ def test_mean_token_loss_weights_each_token() -> None:
         evaluation.mean_token_loss(unweighted, output)
 
 
-class FakeSampler:
-    """Continues each prompt with its own tokens reversed, recording the sampling params."""
-
-    def __init__(self) -> None:
-        self.params: list[Any] = []
-
-    def sample(self, prompt: ModelInput, num_samples: int, params: Any) -> Any:
-        self.params.append(params)
-        sequence = SimpleNamespace(tokens=prompt.to_ints()[::-1])
-        return SimpleNamespace(result=lambda: SimpleNamespace(sequences=[sequence]))
-
-
-def test_exact_match_samples_greedily_and_counts_stripped_answers() -> None:
-    sampler = FakeSampler()
-    prompts = [ModelInput.from_ints([1, 2]), ModelInput.from_ints([3, 4])]
-    score = evaluation.exact_match(
-        sampler,  # type: ignore[arg-type]
-        prompts,
-        ["21", "34"],
-        lambda tokens: " " + "".join(map(str, tokens)) + "\n",
-        max_tokens=5,
-        stop=[0],
-    )
-    assert score == 0.5
-    assert {(p.temperature, p.max_tokens, tuple(p.stop)) for p in sampler.params} == {
-        (0.0, 5, (0,))
-    }
-    with pytest.raises(ValueError, match="need as many answers as prompts"):
-        evaluation.exact_match(sampler, prompts, ["21"], str, max_tokens=5)  # type: ignore[arg-type]
-
-
 # -- preference losses ----------------------------------------------------------------------
 
 

@@ -20,7 +20,12 @@ from treadle.futures import APIFuture
 from treadle_cookbook import arith
 from treadle_cookbook.rl.datums import datum, group_data, sampler_trainer_kl
 from treadle_cookbook.rl.groups import Group, Sample, advantages, drop_constant, drop_stale
-from treadle_cookbook.rl.rollouts import OverlappedRollouts, RolloutSpec, SyncRollouts
+from treadle_cookbook.rl.rollouts import (
+    OverlappedRollouts,
+    RolloutSpec,
+    SyncRollouts,
+    greedy_accuracy,
+)
 from treadle_cookbook.rl.train import split, train_step
 
 pytestmark = pytest.mark.unit
@@ -88,6 +93,19 @@ def test_sampler_trainer_kl_is_the_mean_gap_over_sampled_tokens_only() -> None:
     assert sampler_trainer_kl(samples, trainer) == pytest.approx(sum(gaps) / len(gaps))
 
 
+def test_tokens_the_policy_did_not_sample_are_neither_trained_nor_in_the_kl() -> None:
+    # Two turns with two tool tokens between them (logprob 0.0, not sampled).
+    mask = [True, False, False, True]
+    two_turns = Sample([1, 2], [4, 7, 8, 5], [-1.0, 0.0, 0.0, -2.0], 1.0, mask=mask)
+    d = datum(two_turns, advantage=-0.5)
+    assert d.model_input.to_ints() == [1, 2, 4, 7, 8]
+    advantages_per_position = d.loss_fn_inputs["advantages"].tolist()
+    assert advantages_per_position == pytest.approx([0.0, -0.5, 0.0, 0.0, -0.5])
+    trainer = [[-9.0, -1.5, -9.0, -9.0, -1.0]]
+    expected = ((-1.0 + 1.5) + (-2.0 + 1.0)) / 2
+    assert sampler_trainer_kl([two_turns], trainer) == pytest.approx(expected)
+
+
 # -- one training step in sub-batches -----------------------------------------------------------
 
 
@@ -140,6 +158,9 @@ def test_train_step_sends_every_sub_batch_before_one_optim_step() -> None:
     assert metrics["datums"] == 9 and metrics["sub_batches"] == 4
     assert metrics["loss"] == pytest.approx(4.0)
     assert metrics["grad_norm"] == 2.0
+    assert metrics["advantage_abs_mean"] == pytest.approx(
+        sum(abs(a) for a in advantages([1.0, 0.0, 0.0])) / 3
+    )
     # The trainer's logprobs are 0.1 above the sampler's on every sampled token.
     assert metrics["kl_sampler_trainer"] == pytest.approx(-0.1, abs=1e-6)
 
@@ -244,6 +265,30 @@ def test_overlapped_rollouts_raise_what_sampling_raised() -> None:
 
     with pytest.raises(RuntimeError, match="sampler went away"):
         asyncio.run(run())
+
+
+def test_greedy_accuracy_samples_at_temperature_0_and_grades_with_the_spec() -> None:
+    class EvenRight(AnsweringSampler):
+        """Answers right when the first operand is even, else wrong; records the params."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.params: list[types.SamplingParams] = []
+
+        async def sample_async(
+            self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams
+        ) -> types.SampleResponse:
+            self.params.append(params)
+            response = await super().sample_async(prompt, 2, params)
+            even = int(CharCodec().decode(prompt.to_ints())[:3]) % 2 == 0
+            return types.SampleResponse(sequences=[response.sequences[0 if even else 1]])
+
+    held_out = list(itertools.islice(problems(), 20))
+    sampler = EvenRight()
+    accuracy = asyncio.run(greedy_accuracy(sampler, held_out, spec()))  # type: ignore[arg-type]
+    assert accuracy == sum(int(p.prompt[:3]) % 2 == 0 for p in held_out) / 20
+    assert 0 < accuracy < 1
+    assert {(p.temperature, p.max_tokens) for p in sampler.params} == {(0.0, 5)}
 
 
 def test_training_problems_never_include_held_out_ones() -> None:
