@@ -94,6 +94,35 @@ class Renderer:
         """`prompt` followed by the assistant's `reply`, weight 1 on the reply alone."""
         return self.render([*prompt, {"role": "assistant", "content": reply}], last_only=True)
 
+    def between_turns(
+        self, conversation: Conversation, reply_tokens: Sequence[int], messages: Conversation
+    ) -> list[int]:
+        """The tokens that follow a sampled assistant reply to `conversation` and ask for the
+        next reply after `messages` (a tool's answer): the end of the reply where the sampler
+        stopped before it, `messages`, and the assistant header. `prompt(conversation)`, the
+        reply's tokens and these are the next turn's context, so the sampled tokens stay as
+        sampled instead of being re-tokenized from their text.
+
+        Raises:
+            ValueError: the template does not render the reply's text as it was sampled.
+        """
+        reply = self.decode(reply_tokens)
+        before = self._text(conversation, True) + reply
+        after = self._text(
+            [*conversation, {"role": "assistant", "content": reply}, *messages], True
+        )
+        if not after.startswith(before):
+            raise ValueError(
+                "the chat template changes an assistant reply's text when rendering it, so the "
+                "next turn cannot follow the sampled tokens; use a template that renders "
+                "replies verbatim"
+            )
+        rest = after[len(before) :]
+        eos = self.tokenizer.eos_token
+        if reply_tokens and reply_tokens[-1] == self.end_of_turn and eos and rest.startswith(eos):
+            rest = rest[len(eos) :]  # the sampler's own end-of-turn token closed the reply
+        return self.tokenizer.encode(rest, add_special_tokens=False)
+
     def decode(self, tokens: Sequence[int]) -> str:
         """The text of sampled tokens, special tokens (end of turn) left out."""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

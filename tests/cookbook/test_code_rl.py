@@ -144,19 +144,43 @@ def test_an_attempt_trains_both_turns_but_not_the_tool_message(renderer: Rendere
         one = asyncio.run(code_rl.attempt(sampler, PROBLEM, cfg, renderer, grader))
     finally:
         grader.close()
-    assert one.reward == 1.0 and one.called_tool and one.has_code
-    first, second = one.turns
-    assert sampler.prompts == [first.prompt_tokens, second.prompt_tokens]
+    assert one.reward == 1.0 and one.info == {"has_code": 1.0, "called_tool": 1.0}
     # The first turn stops at the tool's closing tag or the end of turn; the second at the end.
     assert [p.stop for p in sampler.params] == [["</check_solution>", "<|im_end|>"], None]
-    assert renderer.decode(first.tokens) == wrong and renderer.decode(second.tokens) == right
-    context = renderer.tokenizer.decode(second.prompt_tokens)
-    assert context.endswith(
+    # The second turn is sampled after the prompt, the first turn's tokens as sampled, and
+    # the tool message: one sequence, which is what is trained.
+    first_prompt, second_prompt = sampler.prompts
+    assert first_prompt == one.prompt_tokens
+    assert second_prompt == one.prompt_tokens + one.tokens[: len(second_prompt) - len(first_prompt)]
+    assert renderer.tokenizer.decode(one.prompt_tokens + one.tokens).endswith(
         f"{wrong}<|im_end|>\n<|im_start|>tool\n0/1 tests passed.\n"
         "Test 1: failed, input '1 2\\n': expected '3\\n', got '0\\n'<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        f"<|im_start|>assistant\n{right}<|im_end|>"
     )
-    trained = datum(second, 0.5).loss_fn_inputs["advantages"].tolist()
-    completion = len(second.tokens)
-    assert trained[:-completion] == [0.0] * (len(trained) - completion)
-    assert trained[-completion:] == [0.5] * completion
+    # Trained: both turns' sampled tokens, each with its logprob; not the tool message.
+    assert one.mask is not None
+    sampled = [t for t, m in zip(one.tokens, one.mask, strict=True) if m]
+    between = [t for t, m in zip(one.tokens, one.mask, strict=True) if not m]
+    turns = [renderer.tokenizer.encode(a, add_special_tokens=False) for a in (wrong, right)]
+    eos = renderer.tokenizer.eos_token_id
+    assert sampled == turns[0] + [eos] + turns[1] + [eos]
+    assert "0/1 tests passed" in renderer.tokenizer.decode(between)
+    inputs = datum(one, 0.5).loss_fn_inputs
+    advantages, logprobs = inputs["advantages"].tolist(), inputs["logprobs"].tolist()
+    completion = [0.0] * (len(one.prompt_tokens) - 1) + [0.5 if m else 0.0 for m in one.mask]
+    assert advantages == completion
+    assert logprobs == [-1.0 if a else 0.0 for a in completion]
+
+
+def test_an_attempt_without_a_tool_call_is_one_turn(renderer: Renderer) -> None:
+    sampler = ScriptedSampler(renderer, "I do not know.")
+    cfg = code_rl.Config(log_dir=Path("unused"), max_tokens=64)
+    grader = code_rl.Grader(code_rl.Limits(wall_time_s=2.0), tool_tests=1)
+    try:
+        one = asyncio.run(code_rl.attempt(sampler, PROBLEM, cfg, renderer, grader))
+    finally:
+        grader.close()
+    assert one.reward == code_tasks.NO_CODE_REWARD and len(sampler.prompts) == 1
+    assert one.info == {"has_code": 0.0, "called_tool": 0.0} and one.mask == [True] * len(
+        one.tokens
+    )

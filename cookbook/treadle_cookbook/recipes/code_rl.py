@@ -8,31 +8,35 @@ The first answer may wrap a ```python block in `<check_solution>` tags; the bloc
 the sandbox on the problem's first `tool_tests` tests, the results follow as a `tool` message,
 and the model answers again.
 The final answer's first ```python block is run on every test: reward 1 if all pass, 0 if not,
--0.1 without a block. Both turns' sampled tokens are trained with the attempt's advantage (its
-reward minus its group's mean, over the group's standard deviation); the prompt and the tool
-message are not trained. Groups whose rewards are all equal are dropped unless
-`train_constant_groups` is set (their advantages are 0: the step then only exercises the loss).
+-0.1 without a block. An attempt is one sequence, both turns with the tool message between
+them (`treadle_cookbook.rl.episodes.Transcript`), trained as one datum with the attempt's
+advantage (its reward minus its group's mean, over the group's standard deviation) on the
+sampled tokens only: the prompt and the tool message are not trained. Groups whose rewards are
+all equal are dropped unless `train_constant_groups` is set (their advantages are 0: the step
+then only exercises the loss).
 
-Sampling overlaps training: `groups_per_step` background tasks each sample one group at a time
-with the newest weights and queue it, and the trainer drops a group whose weights are more than
-`max_staleness` steps behind its own. The loss defaults to `cispo`; a step's datums are sent in
-`sub_batches` forward_backward calls and applied by one optim_step. Sandboxes run one at a time
-(they share the sandbox uid's process limit).
+The loop is the RL core's (`treadle_cookbook.rl`), as in math_grpo's overlapped mode:
+`groups_per_step` background tasks each sample one group at a time with the newest weights and
+queue it, and the trainer drops a group whose weights are more than `max_staleness` steps
+behind its own. The loss defaults to `cispo`; a step's datums are sent in `sub_batches`
+forward_backward calls and applied by one optim_step. Sandboxes run one at a time (they share
+the sandbox uid's process limit).
 
 Writes config.json, metrics.jsonl (per step: reward, pass_rate, code_block_rate,
-tool_call_rate, frac_constant_dropped, stale_dropped, staleness_mean/max, kl_sampler_trainer,
-loss), checkpoints.jsonl and reward.png, tools.png to `log_dir`. Interrupted, the same command
-continues from the latest checkpoint. On a tiny model nothing gets solved; the loop still runs.
+tool_call_rate, frac_constant_dropped, stale_dropped, staleness_mean/max; on steps that train,
+kl_sampler_trainer, loss, datums, advantage_abs_mean, grad_norm), checkpoints.jsonl and
+reward.png, tools.png to `log_dir`. Interrupted, the same command continues from the latest
+checkpoint. A base model that never writes a ```python block scores -0.1 on every attempt and
+nothing trains; `--load_checkpoint_path` starts from weights that do (an SFT run's checkpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,16 +44,18 @@ from pathlib import Path
 from pydantic import Field
 from rich.progress import Progress
 
-from treadle import SamplingClient, ServiceClient, TrainingClient, types
+from treadle import SamplingClient, ServiceClient, types
 from treadle_cookbook import checkpoints, code_tasks
 from treadle_cookbook.code_tasks import CodeProblem
 from treadle_cookbook.config import RecipeConfig
 from treadle_cookbook.data import Message
 from treadle_cookbook.metrics import MetricsLog
 from treadle_cookbook.renderers import Renderer
-from treadle_cookbook.rl.datums import PolicyLoss, datum, sampler_trainer_kl
-from treadle_cookbook.rl.groups import Sample, advantages
-from treadle_cookbook.rl.train import split
+from treadle_cookbook.rl.datums import PolicyLoss
+from treadle_cookbook.rl.episodes import Transcript
+from treadle_cookbook.rl.groups import Group, Sample, drop_constant
+from treadle_cookbook.rl.rollouts import OverlappedRollouts, RolloutBatch
+from treadle_cookbook.rl.train import train_step
 from treadle_cookbook.sandbox import Limits
 
 DEFAULT_PROBLEMS = Path(__file__).resolve().parents[2] / "data" / "code_problems.jsonl"
@@ -114,23 +120,6 @@ class Grader:
         self._pool.shutdown(cancel_futures=True)
 
 
-async def sample_turn(
-    sampler: SamplingClient,
-    context: types.ModelInput,
-    cfg: Config,
-    renderer: Renderer,
-    stop: list[str] | None = None,
-) -> tuple[Sample, str]:
-    """One sampled turn after `context` (reward filled in later) and its text; `stop` None
-    stops at the end of turn only."""
-    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=stop)
-    response = await sampler.sample_async(context, 1, params)
-    sequence = response.sequences[0]
-    logprobs = [float(lp) for lp in sequence.logprobs or []]
-    sample = Sample(context.to_ints(), list(sequence.tokens), logprobs, 0.0)
-    return sample, renderer.decode(sequence.tokens)
-
-
 def first_turn_stop(renderer: Renderer) -> list[str]:
     """The first turn ends at the tool's closing tag (kept in the sampled text, where
     `code_tasks.tool_call` finds it) or at the end of turn. Stop strings replace the end-of-turn
@@ -145,110 +134,58 @@ async def attempt(
     cfg: Config,
     renderer: Renderer,
     grader: Grader,
-) -> Attempt:
-    """Play the two-turn flow of `code_tasks.run_episode` with the policy, at the token level."""
+    seed: int | None = None,
+) -> Sample:
+    """Play the two-turn flow of `code_tasks.run_episode` with the policy, at the token level:
+    one sample holding both turns, the tool's answer between them untrained."""
     messages = code_tasks.conversation(problem)
-    first, answer = await sample_turn(
-        sampler, renderer.prompt(messages), cfg, renderer, first_turn_stop(renderer)
-    )
-    turns = [first]
+    transcript = Transcript(renderer.prompt(messages).to_ints())
+
+    def params(stop: list[str] | None, turn: int) -> types.SamplingParams:
+        turn_seed = None if seed is None else seed * 2 + turn
+        return types.SamplingParams(
+            max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=stop, seed=turn_seed
+        )
+
+    first = await transcript.sample_turn(sampler, params(first_turn_stop(renderer), 0))
+    answer = renderer.decode(first)
     call = code_tasks.tool_call(answer)
     if call is not None:
         tool = await grader.tool_message(problem, call)
-        messages += [{"role": "assistant", "content": answer}, tool]
-        second, answer = await sample_turn(sampler, renderer.prompt(messages), cfg, renderer)
-        turns.append(second)
+        transcript.observe(renderer.between_turns(messages, first, [tool]))
+        answer = renderer.decode(await transcript.sample_turn(sampler, params(None, 1)))
     reward = await grader.reward(problem, answer)
-    turns = [Sample(t.prompt_tokens, t.tokens, t.logprobs, reward) for t in turns]
     has_code = code_tasks.extract_code(answer) is not None
-    return Attempt(turns, reward, has_code, call is not None)
+    info = {"has_code": float(has_code), "called_tool": float(call is not None)}
+    return transcript.sample(reward, info)
 
 
-class OverlappedAttempts:
-    """Background tasks that keep sampling groups with the newest published weights."""
+@dataclass(frozen=True)
+class CodeEpisodes:
+    """`group_size` two-turn attempts at a problem (the `Episodes` the rollouts play)."""
 
-    def __init__(
-        self, problems: Iterator[CodeProblem], cfg: Config, renderer: Renderer, grader: Grader
-    ) -> None:
-        self._problems, self._cfg, self._renderer, self._grader = problems, cfg, renderer, grader
-        self._queue: asyncio.Queue[AttemptGroup | BaseException] = asyncio.Queue(
-            cfg.groups_per_step
-        )
-        self._sampler: SamplingClient | None = None
-        self._step = 0
-        self._tasks: list[asyncio.Task[None]] = []
+    cfg: Config
+    renderer: Renderer
+    grader: Grader
 
-    def publish(self, sampler: SamplingClient, step: int) -> None:
-        self._sampler, self._step = sampler, step
-        if not self._tasks:
-            self._tasks = [
-                asyncio.create_task(self._work()) for _ in range(self._cfg.groups_per_step)
-            ]
-
-    async def _work(self) -> None:
-        while True:
-            assert self._sampler is not None
-            sampler, step, problem = self._sampler, self._step, next(self._problems)
-            try:
-                attempts = await asyncio.gather(
-                    *(
-                        attempt(sampler, problem, self._cfg, self._renderer, self._grader)
-                        for _ in range(self._cfg.group_size)
-                    )
+    async def group(
+        self,
+        sampler: SamplingClient,
+        problem: CodeProblem,
+        sampler_step: int,
+        seed: int | None = None,
+    ) -> Group:
+        size = self.cfg.group_size
+        attempts = await asyncio.gather(
+            *(
+                attempt(
+                    sampler, problem, self.cfg, self.renderer, self.grader,
+                    None if seed is None else seed * size + i,
                 )
-            except Exception as exc:  # handed to the trainer, which raises it
-                await self._queue.put(exc)
-                return
-            await self._queue.put(AttemptGroup(list(attempts), step))
-
-    async def next_groups(self, trainer_step: int) -> tuple[list[AttemptGroup], int]:
-        """`groups_per_step` groups at most `max_staleness` steps old, and how many were not."""
-        groups: list[AttemptGroup] = []
-        stale = 0
-        while len(groups) < self._cfg.groups_per_step:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if trainer_step - item.sampler_step <= self._cfg.max_staleness:
-                groups.append(item)
-            else:
-                stale += 1
-        return groups, stale
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-async def train_on(
-    training: TrainingClient, groups: Sequence[AttemptGroup], cfg: Config
-) -> dict[str, float]:
-    """One optim_step over every turn of every attempt, in `sub_batches` forward_backward calls."""
-    samples: list[Sample] = []
-    data: list[types.Datum] = []
-    for group in groups:
-        for one, advantage in zip(group.attempts, advantages(group.rewards), strict=True):
-            samples += one.turns
-            data += [datum(turn, advantage) for turn in one.turns]
-    chunks = split(data, cfg.sub_batches)
-    passes = [await training.forward_backward_async(chunk, cfg.loss_fn) for chunk in chunks]
-    adam = types.AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=1.0)
-    optim = await training.optim_step_async(adam)
-    outputs = [await p for p in passes]
-    await optim
-    trainer_logprobs = [
-        [float(x) for x in row["logprobs"].tolist()]
-        for out in outputs
-        for row in out.loss_fn_outputs
-    ]
-    return {
-        "kl_sampler_trainer": sampler_trainer_kl(samples, trainer_logprobs),
-        "loss": sum(out.metrics.get("loss:sum", 0.0) for out in outputs),
-        "datums": float(len(data)),
-    }
+                for i in range(size)
+            )
+        )  # fmt: skip
+        return Group(list(attempts), sampler_step)
 
 
 def problem_stream(problems: list[CodeProblem], seed: int, skip: int) -> Iterator[CodeProblem]:
@@ -258,21 +195,18 @@ def problem_stream(problems: list[CodeProblem], seed: int, skip: int) -> Iterato
     return itertools.islice(itertools.cycle(order), skip, None)
 
 
-def step_metrics(
-    groups: Sequence[AttemptGroup], kept: int, stale: int, trainer_step: int
-) -> dict[str, float]:
+def step_metrics(batch: RolloutBatch, kept: int) -> dict[str, float]:
     """What the step's groups scored and how old their weights were; `kept` groups varied."""
-    attempts = [a for g in groups for a in g.attempts]
-    staleness = [trainer_step - g.sampler_step for g in groups]
+    attempts = [a for g in batch.groups for a in g.samples]
     return {
         "reward": sum(a.reward for a in attempts) / len(attempts),
         "pass_rate": sum(a.reward == 1.0 for a in attempts) / len(attempts),
-        "code_block_rate": sum(a.has_code for a in attempts) / len(attempts),
-        "tool_call_rate": sum(a.called_tool for a in attempts) / len(attempts),
-        "frac_constant_dropped": 1 - kept / len(groups),
-        "stale_dropped": float(stale),
-        "staleness_mean": sum(staleness) / len(staleness),
-        "staleness_max": float(max(staleness)),
+        "code_block_rate": sum(a.info["has_code"] for a in attempts) / len(attempts),
+        "tool_call_rate": sum(a.info["called_tool"] for a in attempts) / len(attempts),
+        "frac_constant_dropped": 1 - kept / len(batch.groups),
+        "stale_dropped": float(batch.stale_dropped),
+        "staleness_mean": sum(batch.staleness) / len(batch.staleness),
+        "staleness_max": float(max(batch.staleness)),
     }
 
 
@@ -285,19 +219,24 @@ async def run(cfg: Config) -> None:
     problems = code_tasks.load_problems(cfg.problems_path)
     stream = problem_stream(problems, cfg.seed, start * cfg.groups_per_step)
     grader = Grader(Limits(wall_time_s=cfg.wall_time_s), cfg.tool_tests)
-    rollouts = OverlappedAttempts(stream, cfg, renderer, grader)
+    episodes = CodeEpisodes(cfg, renderer, grader)
+    adam = types.AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=1.0)
+    rollouts = OverlappedRollouts(stream, episodes, cfg.groups_per_step, cfg.max_staleness)
     rollouts.publish(await training.save_weights_and_get_sampling_client_async(), start)
+    rollouts.start()
 
     with Progress() as progress:
         bar = progress.add_task("code RL", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
             started = time.monotonic()
-            groups, stale = await rollouts.next_groups(step)
-            varied = [g for g in groups if max(g.rewards) != min(g.rewards)]
-            trained = groups if cfg.train_constant_groups else varied
-            metrics = step_metrics(groups, len(varied), stale, step)
+            batch = await rollouts.next_batch(step)
+            varied = drop_constant(batch.groups)
+            trained = batch.groups if cfg.train_constant_groups else varied
+            metrics = step_metrics(batch, len(varied))
             if trained:  # every group constant: nothing to learn from, the weights stay
-                metrics |= await train_on(training, trained, cfg)
+                metrics |= await train_step(
+                    training, trained, loss_fn=cfg.loss_fn, adam=adam, sub_batches=cfg.sub_batches
+                )
             rollouts.publish(await training.save_weights_and_get_sampling_client_async(), step + 1)
             metrics["step_seconds"] = time.monotonic() - started
             log.log(step, metrics)

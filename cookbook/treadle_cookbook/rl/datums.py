@@ -4,7 +4,9 @@
 token, the sampler's logprob of it and its advantage (docs/protocol.md). The prompt's
 positions get advantage 0, which is what keeps them out of the loss; the completion's
 positions get the sample's advantage and the sampler's logprobs, so the server can weigh
-each token by its importance ratio `exp(trainer_logprob - sampler_logprob)`.
+each token by its importance ratio `exp(trainer_logprob - sampler_logprob)`. In a multi-turn
+sample the tokens between turns that the policy did not sample (a tool's answer) get
+advantage 0 like the prompt: the datum covers every turn, and only sampled tokens train.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ def datum(sample: Sample, advantage: float) -> types.Datum:
                 [0.0] * prompt_positions + list(sample.logprobs), "float32"
             ),
             "advantages": types.TensorData.from_list(
-                [0.0] * prompt_positions + [advantage] * len(sample.tokens), "float32"
+                [0.0] * prompt_positions
+                + [advantage if sampled else 0.0 for sampled in sample.sampled],
+                "float32",
             ),
         },
     )
@@ -50,12 +54,15 @@ def sampler_trainer_kl(samples: Sequence[Sample], trainer_logprobs: Sequence[lis
     """Mean of `sampler_logprob - trainer_logprob` over all sampled tokens.
 
     `trainer_logprobs[i]` is datum i's per-position logprobs from forward or forward_backward
-    (its last `len(samples[i].tokens)` positions are the sampled tokens). Near 0 when sampler
-    and trainer hold the same weights; it grows with staleness or numerical mismatch.
+    (its last `len(samples[i].tokens)` positions are the completion's; those the policy did not
+    sample are left out). Near 0 when sampler and trainer hold the same weights; it grows with
+    staleness or numerical mismatch.
     """
     total, count = 0.0, 0
     for sample, trainer in zip(samples, trainer_logprobs, strict=True):
         completion = trainer[len(trainer) - len(sample.tokens) :]
-        total += sum(s - t for s, t in zip(sample.logprobs, completion, strict=True))
-        count += len(sample.tokens)
+        for s, t, sampled in zip(sample.logprobs, completion, sample.sampled, strict=True):
+            if sampled:
+                total += s - t
+                count += 1
     return total / count if count else 0.0

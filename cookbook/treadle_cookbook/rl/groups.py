@@ -11,8 +11,8 @@ ratios would be too far from 1 to trust.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 ADVANTAGE_EPS = 1e-4
 """Added to the group's standard deviation so that nearly constant groups stay finite."""
@@ -20,16 +20,27 @@ ADVANTAGE_EPS = 1e-4
 
 @dataclass(frozen=True)
 class Sample:
-    """One sampled completion of a prompt.
+    """One sampled completion of a prompt, in one turn or several.
 
-    `tokens` are the sampled ids, the stop token included; `logprobs` the sampler's logprob
-    of each (one per token).
+    `tokens` follow `prompt_tokens`: the sampled ids, the stop token included, and in a
+    multi-turn episode also what came between the turns (a tool's answer, the next turn's
+    header), which the policy did not sample. `mask` is True on sampled tokens and False on
+    those (None: every token was sampled); only sampled tokens are trained. `logprobs` holds the
+    sampler's logprob of each token, 0.0 where nothing was sampled. `info` holds what the
+    episode measured besides its reward (whether it called a tool, ...) for the recipe's metrics.
     """
 
     prompt_tokens: list[int]
     tokens: list[int]
     logprobs: list[float]
     reward: float
+    mask: list[bool] | None = None
+    info: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def sampled(self) -> list[bool]:
+        """Per token of `tokens`: whether the policy sampled it."""
+        return self.mask if self.mask is not None else [True] * len(self.tokens)
 
 
 @dataclass(frozen=True)

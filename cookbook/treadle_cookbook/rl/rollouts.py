@@ -1,7 +1,9 @@
 """Sampling and grading groups of completions, in step with training or ahead of it.
 
-A rollout here is one prompt sampled `group_size` times and each completion graded (a
-single turn: the tasks in this cookbook answer in one go). `SyncRollouts` samples a step's
+A rollout here is one problem attempted `group_size` times and each attempt graded, as its
+`Episodes` (`treadle_cookbook.rl.episodes`) plays it: `RolloutSpec` samples a single turn per
+attempt, a recipe's own episodes may play several (code RL calls a tool between two turns).
+Problems are whatever those episodes take. `SyncRollouts` samples a step's
 groups when the step asks, with the newest weights, so training is on-policy.
 `OverlappedRollouts` keeps sampling in background tasks while the trainer works, always with
 the newest weights it was given, so the next step's groups are mostly ready when the current
@@ -18,11 +20,14 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from treadle import SamplingClient, types
 from treadle_cookbook.arith import Problem
+from treadle_cookbook.rl.episodes import Episodes
 from treadle_cookbook.rl.groups import Group, Sample, drop_stale, staleness
+
+ProblemT = TypeVar("ProblemT")
 
 
 class Codec(Protocol):
@@ -51,6 +56,12 @@ class RolloutSpec:
         if tokens and tokens[-1] == self.codec.eos_token_id:
             tokens = tokens[:-1]
         return self.codec.decode(tokens)
+
+    async def group(
+        self, sampler: SamplingClient, problem: Problem, sampler_step: int, seed: int | None = None
+    ) -> Group:
+        """Single-turn episodes (see `Episodes`): `sample_group`."""
+        return await sample_group(sampler, problem, self, sampler_step, seed)
 
 
 async def sample_group(
@@ -104,14 +115,18 @@ class RolloutBatch:
     staleness: list[int] = field(default_factory=list)
 
 
-class SyncRollouts:
+class SyncRollouts(Generic[ProblemT]):
     """Samples each step's groups when asked, with the weights of the latest `publish`."""
 
     def __init__(
-        self, problems: Iterator[Problem], spec: RolloutSpec, groups_per_step: int, seed: int
+        self,
+        problems: Iterator[ProblemT],
+        episodes: Episodes[ProblemT],
+        groups_per_step: int,
+        seed: int,
     ) -> None:
         self._problems = problems
-        self._spec = spec
+        self._episodes = episodes
         self._groups_per_step = groups_per_step
         self._seed = seed
         self._sampler: SamplingClient | None = None
@@ -129,7 +144,7 @@ class SyncRollouts:
         # A seed per (run seed, step, group) makes a rerun draw the same samples.
         base = (self._seed * 1_000_003 + trainer_step) * self._groups_per_step
         groups = await asyncio.gather(
-            *(sample_group(sampler, p, self._spec, step, base + i) for i, p in enumerate(problems))
+            *(self._episodes.group(sampler, p, step, base + i) for i, p in enumerate(problems))
         )
         return RolloutBatch(list(groups), 0, [staleness(g, trainer_step) for g in groups])
 
@@ -137,7 +152,7 @@ class SyncRollouts:
         """Nothing runs in the background."""
 
 
-class OverlappedRollouts:
+class OverlappedRollouts(Generic[ProblemT]):
     """Samples groups in `groups_per_step` background tasks while the trainer trains.
 
     Each task samples one group at a time with the newest published weights and queues it;
@@ -149,13 +164,13 @@ class OverlappedRollouts:
 
     def __init__(
         self,
-        problems: Iterator[Problem],
-        spec: RolloutSpec,
+        problems: Iterator[ProblemT],
+        episodes: Episodes[ProblemT],
         groups_per_step: int,
         max_staleness: int = 3,
     ) -> None:
         self._problems = problems
-        self._spec = spec
+        self._episodes = episodes
         self._groups_per_step = groups_per_step
         self._max_staleness = max_staleness
         self._queue: asyncio.Queue[Group | BaseException] = asyncio.Queue(groups_per_step)
@@ -177,7 +192,7 @@ class OverlappedRollouts:
             assert self._sampler is not None
             sampler, step = self._sampler, self._step
             try:
-                group = await sample_group(sampler, next(self._problems), self._spec, step)
+                group = await self._episodes.group(sampler, next(self._problems), step)
             except Exception as exc:  # handed to the trainer, which raises it
                 await self._queue.put(exc)
                 return

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from treadle import TrainingClient, types
 from treadle_cookbook.rl.datums import PolicyLoss, group_data, sampler_trainer_kl
-from treadle_cookbook.rl.groups import Group
+from treadle_cookbook.rl.groups import Group, advantages
 
 T = TypeVar("T")
 
@@ -44,9 +44,11 @@ async def train_step(
 
     Metrics: `kl_sampler_trainer` (see `sampler_trainer_kl`; the trainer's logprobs come from
     the forward passes of this step, before its update), `loss` (the loss summed over
-    sub-batches), `datums` and `sub_batches` (the number of forward_backward calls).
+    sub-batches), `datums`, `sub_batches` (the number of forward_backward calls) and
+    `advantage_abs_mean` (the mean |advantage| of the samples: 0 when nothing was learned from).
     """
     data, samples = group_data(groups)
+    trained = [a for group in groups for a in advantages(group.rewards)]
     chunks = split(data, sub_batches)
     passes = [await client.forward_backward_async(chunk, loss_fn) for chunk in chunks]
     step = await client.optim_step_async(adam)
@@ -62,6 +64,7 @@ async def train_step(
         "loss": sum(out.metrics.get("loss:sum", 0.0) for out in outputs),
         "datums": float(len(data)),
         "sub_batches": float(len(chunks)),
+        "advantage_abs_mean": sum(map(abs, trained)) / len(trained),
     }
     if optim.metrics and "grad_norm:mean" in optim.metrics:
         metrics["grad_norm"] = optim.metrics["grad_norm:mean"]
