@@ -1,5 +1,5 @@
-"""Billing tables: the append-only usage ledger, the price book, hourly rollups, per-period
-spend counters and the record of what was sent to Stripe.
+"""Billing tables: the append-only usage ledger, the price book, hourly and daily rollups,
+per-period spend counters and the record of what was sent to Stripe.
 
 Money is integer micro-units (1e-6 of the currency unit), never floats.
 """
@@ -102,6 +102,30 @@ class UsageRollup(Base):
     base_model: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(32))
     price_id: Mapped[int] = mapped_column(BigInteger)  # 0 when unpriced
+    events: Mapped[int] = mapped_column(BigInteger)
+    quantity: Mapped[int] = mapped_column(BigInteger)
+    cached_quantity: Mapped[int] = mapped_column(BigInteger)
+    amount_micros: Mapped[int] = mapped_column(BigInteger)
+
+
+class DailyUsage(Base):
+    """Usage and cost per tenant, UTC day, API key, base model and kind: the hourly rollups
+    summed over sessions and price versions, for readers of many tenants over whole days (the
+    admin dashboard), who would otherwise sum a row per hour, session and price. Maintained
+    in the same upsert pass as the hourly rollups; recomputable from them."""
+
+    __tablename__ = "usage_daily"
+    __table_args__ = (
+        # Leading with the day, it is also the index of the dashboard's ranges across tenants.
+        UniqueConstraint("day", "tenant_id", "api_key_id", "base_model", "kind"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    day: Mapped[datetime]  # UTC midnight
+    api_key_id: Mapped[str] = mapped_column(String(32))  # NO_DIMENSION when none
+    base_model: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
     events: Mapped[int] = mapped_column(BigInteger)
     quantity: Mapped[int] = mapped_column(BigInteger)
     cached_quantity: Mapped[int] = mapped_column(BigInteger)

@@ -1,7 +1,8 @@
-"""Hourly rollups and period spend stay the sums of the ledger: a randomized run of recordings
-(several tenants, keys, sessions, models and kinds over many hours, replayed ops, a price
-change) leaves rollups and spend equal to direct sums over the events and to rebuilds from
-them, on each database."""
+"""Hourly and daily rollups and period spend stay the sums of the ledger: a randomized run of
+recordings (several tenants, keys, sessions, models and kinds over many hours and UTC days,
+replayed ops, a price change) leaves rollups and spend equal to direct sums over the events and
+to rebuilds from them, on each database (PostgreSQL's session in a zone half an hour off UTC,
+so a day cut in local time would show)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,24 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, text, update
 
 from billing import pricebook
 from billing.ledger import UsageLine, record_usage
 from billing.prices import PriceCache, cost_micros, rate_in_force
 from billing.rollups import RolledEvent, add_to_rollups, recompute_rollups, rollup_totals
 from billing.spend import period_spend, period_start, recompute_spend
-from billing.tables import NO_DIMENSION, USAGE_KINDS, TenantSpend, UsageEvent, UsageRollup
+from billing.tables import (
+    NO_DIMENSION,
+    USAGE_KINDS,
+    DailyUsage,
+    TenantSpend,
+    UsageEvent,
+    UsageRollup,
+)
 from core import apikeys
 from core.clock import FakeClock
+from core.db import Database
 from core.tables import Tenant
 from scheduler.ops import OpKind
 from tests.scheduling import Rows, migrated
@@ -30,10 +39,18 @@ MODELS = ("treadle/tiny-1m", "treadle/tiny-10m")
 OP_KINDS = tuple(k for k in USAGE_KINDS if k != "storage")  # storage is metered, not per op
 
 RollupKey = tuple[str, datetime, str, str, str, str, int]
+DayKey = tuple[datetime, str, str, str, str]
+Sums = tuple[int, int, int, int]
 
 
 @pytest.fixture
 def rows(database_url: str) -> Rows:
+    database = Database(database_url)
+    if database.engine.dialect.name == "postgresql":
+        with database.engine.begin() as conn:
+            name = conn.execute(text("SELECT current_database()")).scalar_one()
+            conn.execute(text(f"ALTER DATABASE \"{name}\" SET timezone TO 'Asia/Kolkata'"))
+        database.engine.dispose()
     # Late in a month, so the run crosses into the next billing period.
     return Rows(migrated(database_url), FakeClock(datetime(2026, 3, 31, 20, 5, tzinfo=UTC)))
 
@@ -57,6 +74,29 @@ def _stored_rollups(rows: Rows) -> dict[RollupKey, tuple[int, int, int, int]]:
             )
             for r in db.scalars(select(UsageRollup))
         }
+
+
+def _stored_days(rows: Rows) -> dict[DayKey, Sums]:
+    with rows.database.reader() as db:
+        return {
+            (r.day, r.tenant_id, r.api_key_id, r.base_model, r.kind): (
+                r.events,
+                r.quantity,
+                r.cached_quantity,
+                r.amount_micros,
+            )
+            for r in db.scalars(select(DailyUsage))
+        }
+
+
+def _days_of(hours: dict[RollupKey, Sums]) -> dict[DayKey, Sums]:
+    """Hourly rollups summed per UTC day, over sessions and prices."""
+    sums: dict[DayKey, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for (tenant, hour, key, _session, model, kind, _price), values in hours.items():
+        day = hour.astimezone(UTC).replace(hour=0)
+        for i, value in enumerate(values):
+            sums[(day, tenant, key, model, kind)][i] += value
+    return {key: (a, b, c, d) for key, (a, b, c, d) in sums.items()}
 
 
 def _ledger_sums(events: list[UsageEvent]) -> dict[RollupKey, tuple[int, int, int, int]]:
@@ -156,9 +196,14 @@ def test_rollups_and_spend_equal_the_ledger_and_its_rebuild(rows: Rows) -> None:
     assert len({e.api_key_id for e in events}) >= 4 and None in {e.session_id for e in events}
     assert sum(e.amount_micros for e in events) == returned_total > 0
 
-    # Rollups equal the direct sums over the ledger.
+    # Rollups equal the direct sums over the ledger, and daily rollups the hourly ones'.
     expected = _ledger_sums(events)
     assert _stored_rollups(rows) == expected
+    expected_days = _days_of(expected)
+    assert _stored_days(rows) == expected_days
+    assert len({day for day, *_ in expected_days}) >= 2
+    assert any(session != NO_DIMENSION for _, _, _, session, *_ in expected)
+    assert len(expected_days) < len(expected)  # sessions, prices and hours folded
 
     # Spend per period equals the ledger's amounts in the period.
     by_period: dict[tuple[str, datetime], int] = defaultdict(int)
@@ -213,15 +258,30 @@ def test_rollups_and_spend_equal_the_ledger_and_its_rebuild(rows: Rows) -> None:
                 e.amount_micros for e in mine if e.session_id == session
             )
 
-    # A rebuild from the ledger writes the same rollups, whole or for one tenant and window.
+    # A rebuild from the ledger writes the same rollups, whole or for one tenant and window;
+    # the daily ones of the days the window touches are rebuilt from the hourly ones.
     with rows.database.transaction() as db:
+        db.execute(update(DailyUsage).values(amount_micros=DailyUsage.amount_micros + 1))
         recompute_rollups(db)
     assert _stored_rollups(rows) == expected
+    assert _stored_days(rows) == expected_days
     with rows.database.transaction() as db:
         db.execute(delete(UsageRollup).where(UsageRollup.tenant_id == tenants[0]))
+        db.execute(delete(DailyUsage).where(DailyUsage.tenant_id == tenants[0]))
         recompute_rollups(db, tenant_id=tenants[0], since=since, until=until)
-    assert _stored_rollups(rows) == {
-        k: v for k, v in expected.items() if k[0] != tenants[0] or since <= k[1] < until
+    kept = {k: v for k, v in expected.items() if k[0] != tenants[0] or since <= k[1] < until}
+    assert _stored_rollups(rows) == kept
+    assert _stored_days(rows) == _days_of(kept)
+    # A window starting and ending mid-day rebuilds those whole days, and no other.
+    first_day = min(hours).replace(hour=0)
+    window = (first_day + timedelta(hours=21), first_day + timedelta(hours=23))
+    with rows.database.transaction() as db:
+        db.execute(update(DailyUsage).values(events=DailyUsage.events + 1))
+        recompute_rollups(db, since=window[0], until=window[1])
+    rebuilt = kept | {k: v for k, v in expected.items() if window[0] <= k[1] < window[1]}
+    assert _stored_rollups(rows) == rebuilt
+    assert _stored_days(rows) == {
+        k: v if k[0] == first_day else (v[0] + 1, *v[1:]) for k, v in _days_of(rebuilt).items()
     }
 
 
@@ -235,4 +295,7 @@ def test_events_of_one_cell_add_up_in_one_upsert(rows: Rows) -> None:
         add_to_rollups(db, [])
     assert _stored_rollups(rows) == {
         (tenant, hour, NO_DIMENSION, NO_DIMENSION, "m", "storage", 0): (3, 30, 0, 9)
+    }
+    assert _stored_days(rows) == {
+        (hour.replace(hour=0), tenant, NO_DIMENSION, "m", "storage"): (3, 30, 0, 9)
     }
