@@ -11,8 +11,8 @@ from sqlalchemy import MetaData, inspect, select, text
 import billing.tables  # noqa: F401  (registers billing tables)
 from api import dbschema
 from api.app import create_app
-from billing.rollups import recompute_rollups
-from billing.tables import UsageEvent, UsageRollup
+from billing.rollups import RolledEvent, add_to_rollups, recompute_rollups
+from billing.tables import DailyUsage, UsageEvent, UsageRollup
 from core.db import Database
 from core.errors import DatabaseNotMigrated
 from core.tables import Base
@@ -173,3 +173,81 @@ def test_billing_revision_gives_recorded_usage_its_utc_hour(database_url: str) -
         # The rollups rebuilt from them (unpriced: price 0) hold every event.
         recompute_rollups(db)
         assert sum(r.events for r in db.scalars(select(UsageRollup))) == 4
+
+
+def test_daily_revision_sums_the_hourly_rollups_per_utc_day(database_url: str) -> None:
+    """0009 fills the daily rollups from the hourly ones recorded before it: summed over
+    sessions and prices per UTC day (on PostgreSQL even for a session whose time zone is half
+    an hour off UTC, where 19:00 UTC is already the next day)."""
+    database = Database(database_url)
+    if database.engine.dialect.name == "postgresql":
+        with database.engine.begin() as conn:
+            name = conn.execute(text("SELECT current_database()")).scalar_one()
+            conn.execute(text(f"ALTER DATABASE \"{name}\" SET timezone TO 'Asia/Kolkata'"))
+        database.engine.dispose()
+    dbschema.upgrade(database, "0008")
+    tables = MetaData()
+    tables.reflect(database.engine, only=["tenants", "usage_rollups"])
+    day = datetime(2026, 3, 31, tzinfo=UTC)
+    # (hour, API key, session, price, events, quantity, cached, amount)
+    cells = [
+        (day + timedelta(hours=18), "k1", "s1", 1, 2, 100, 10, 1000),
+        (day + timedelta(hours=19), "k1", "s2", 1, 1, 50, 0, 500),
+        (day + timedelta(hours=23), "k1", "s1", 2, 3, 30, 3, 300),
+        (day + timedelta(hours=23), "", "", 0, 1, 7, 0, 0),
+        (day + timedelta(hours=24), "k1", "s1", 2, 1, 5, 0, 50),
+    ]
+    with database.engine.begin() as conn:
+        conn.execute(
+            tables.tables["tenants"].insert(),
+            [
+                dict(
+                    id="t1",
+                    name="acme",
+                    max_concurrent_sessions=1,
+                    max_lora_rank=8,
+                    disabled=False,
+                    created_at=day,
+                )
+            ],
+        )
+        conn.execute(
+            tables.tables["usage_rollups"].insert(),
+            [
+                dict(
+                    tenant_id="t1",
+                    hour=hour,
+                    api_key_id=key,
+                    session_id=session,
+                    base_model="m",
+                    kind="training",
+                    price_id=price,
+                    events=events,
+                    quantity=quantity,
+                    cached_quantity=cached,
+                    amount_micros=amount,
+                )
+                for hour, key, session, price, events, quantity, cached, amount in cells
+            ],
+        )
+
+    dbschema.upgrade(database, "0009")
+    # Usage recorded afterwards adds to the filled rows: their days are stored alike.
+    later = RolledEvent("t1", day + timedelta(hours=20), "k1", None, "m", "training", 1, 1, 0, 1)
+    with database.transaction() as db:
+        add_to_rollups(db, [later])
+    with database.reader() as db:
+        days = {
+            (d.day, d.tenant_id, d.api_key_id, d.base_model, d.kind): (
+                d.events,
+                d.quantity,
+                d.cached_quantity,
+                d.amount_micros,
+            )
+            for d in db.scalars(select(DailyUsage))
+        }
+    assert days == {
+        (day, "t1", "k1", "m", "training"): (7, 181, 13, 1801),
+        (day, "t1", "", "m", "training"): (1, 7, 0, 0),
+        (day + timedelta(days=1), "t1", "k1", "m", "training"): (1, 5, 0, 50),
+    }
