@@ -1,5 +1,6 @@
 """Pretrain a ~1M-parameter Llama on 3-digit addition and save it as a model folder to serve.
 
+    pip install -e './cookbook[pretrain]'   # torch and transformers, which no recipe needs
     python cookbook/scripts/make_arith_model.py --out /tmp/arith-1m
 
 The model learns "042+007=0049<eos>" from scratch with plain torch and transformers, for a
