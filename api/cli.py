@@ -846,7 +846,7 @@ def billing_reconcile(
     _logging(settings)
     try:
         result = reconcile(
-            open_database(settings),
+            open_database(settings, writes=True),  # each run's result is kept
             gateway,
             clock,
             since=start,

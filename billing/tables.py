@@ -1,5 +1,5 @@
 """Billing tables: the append-only usage ledger, the price book, hourly and daily rollups,
-per-period spend counters and the record of what was sent to Stripe.
+per-period spend counters, the record of what was sent to Stripe and the reconciler's results.
 
 Money is integer micro-units (1e-6 of the currency unit), never floats.
 """
@@ -7,8 +7,18 @@ Money is integer micro-units (1e-6 of the currency unit), never floats.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String, UniqueConstraint, text
+from sqlalchemy import (
+    BigInteger,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from core.tables import Base
@@ -165,6 +175,9 @@ class StripeMeterPush(Base):
             sqlite_where=text("accepted_at IS NULL"),
             postgresql_where=text("accepted_at IS NULL"),
         ),
+        # The dashboard's billing page: the latest hour Stripe accepted, and when it last did.
+        Index("ix_stripe_meter_pushes_hour", "hour"),
+        Index("ix_stripe_meter_pushes_accepted_at", "accepted_at"),
     )
 
     identifier: Mapped[str] = mapped_column(String(200), primary_key=True)
@@ -178,3 +191,22 @@ class StripeMeterPush(Base):
     intended_at: Mapped[datetime]
     # NULL until Stripe accepted the part (or answered that it already held its identifier).
     accepted_at: Mapped[datetime | None]
+
+
+class StripeReconciliation(Base):
+    """One run of the reconciler (`billing.stripe_reconcile`): when it ran, the settled hours
+    it compared, and how it ended: `equal`, `differs` (`differences` holds each differing
+    tenant and meter, as `MeterBalance` fields) or `failed` (Stripe did not answer; `error`
+    says why). The dashboard shows the latest; the rows are never edited."""
+
+    __tablename__ = "stripe_reconciliations"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    ran_at: Mapped[datetime] = mapped_column(index=True)
+    since: Mapped[datetime]
+    until: Mapped[datetime]
+    outcome: Mapped[str] = mapped_column(String(16))
+    # Tenant and meter pairs compared (a failed run: 0).
+    compared: Mapped[int] = mapped_column(Integer)
+    differences: Mapped[list[dict[str, Any]]]
+    error: Mapped[str | None] = mapped_column(Text)

@@ -79,9 +79,11 @@ def record(
     model: str = "m/a",
     quantity: int,
     amount_micros: int,
+    price_id: int | None = None,
 ) -> None:
-    """One priced usage event in the ledger, its rollup and its period's spend, as
-    `billing.ledger.record_usage` writes them (without an operation row behind it)."""
+    """One usage event costing `amount_micros` in the ledger, its rollup and its period's
+    spend, as `billing.ledger.record_usage` writes them (without an operation row behind it);
+    under price version `price_id` when given (the Stripe pusher sends priced usage only)."""
     with database.transaction() as db:
         db.execute(
             insert(UsageEvent),
@@ -93,12 +95,13 @@ def record(
                 "quantity": quantity,
                 "cached_quantity": 0,
                 "amount_micros": amount_micros,
+                "price_id": price_id,
                 "hour": hour,
                 "created_at": hour,
             },
         )
         event = RolledEvent(
-            key.tenant_id, hour, key.key_id, None, model, kind, None, quantity, 0, amount_micros
+            key.tenant_id, hour, key.key_id, None, model, kind, price_id, quantity, 0, amount_micros
         )
         add_to_rollups(db, [event])
         add_spend(db, key.tenant_id, hour, amount_micros)

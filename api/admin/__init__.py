@@ -1,10 +1,10 @@
-"""The admin dashboard (`/admin`): usage charts, live sessions and runs, the fleet, and tenants'
-limits and keys, for holders of an admin-scope API key.
+"""The admin dashboard (`/admin`): usage charts, live sessions and runs, the fleet, tenants'
+limits and keys, and billing to Stripe, for holders of an admin-scope API key.
 
 `pages` renders the HTML (with `render`), `forms` takes the forms that change something,
 `api` serves the JSON and CSV the pages draw from, `auth` decides who may see either,
-`cookies` signs the session cookie and derives its CSRF token, and `usage` and `overview` read
-the rows. None of it is in the OpenAPI document.
+`cookies` signs the session cookie and derives its CSRF token, and `usage`, `overview` and
+`billing` read the rows. None of it is in the OpenAPI document.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ in `X-API-Key` (`api.admin.auth`); nothing here changes a row, and no answer may
 (`Cache-Control: no-store`, as the pages). The CSV's text cells that a spreadsheet would take
 for a formula (a tenant or key name may start with `=`) are prefixed with `'`. The answers
 are the read models' frozen dataclasses (`api.admin.usage`, `api.admin.overview`,
-`scheduler.fleet`), which FastAPI serialises as they are, so each shape is declared once. The
-routes are kept out of the OpenAPI document: they serve the dashboard, and may change with it.
+`api.admin.billing`, `scheduler.fleet`), which FastAPI serialises as they are, so each shape
+is declared once. The routes are kept out of the OpenAPI document: they serve the dashboard,
+and may change with it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 
 from api.admin import overview
 from api.admin.auth import ApiAdmin
+from api.admin.billing import Billing, billing_view
 from api.admin.usage import (
     UsageChart,
     UsageQuery,
@@ -109,3 +111,10 @@ def fleet(_: ApiAdmin, state: State, db: ReadSession) -> overview.Fleet:
     """The workers that run or hold queued ops, what each holds, and the latest workers that
     went away in the last day."""
     return overview.fleet_view(db, state.clock.now())
+
+
+@router.get("/billing")
+def billing(_: ApiAdmin, state: State, db: ReadSession) -> Billing:
+    """Whether this server pushes usage to Stripe, how far Stripe's meters lag behind it, the
+    parts that await the operator, and the latest reconciliation's result."""
+    return billing_view(db, state.clock.now(), state.settings)

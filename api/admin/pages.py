@@ -1,10 +1,10 @@
 """`/admin/*`: the dashboard's server-rendered pages, logging in and out, and its files.
 
-Pages render what `api.admin.overview` and `api.admin.usage` read (the usage page's charts
-fetch `/admin/api/usage`; the live and fleet tables are fetched again by htmx). Logging in
-trades an admin key for the session cookie (`api.admin.cookies`): HTTP-only,
-`SameSite=Strict`, scoped to `/admin`, and `Secure` when the request came over https or
-`admin_secure_cookie` is `always`. Logging in and out are written to the audit log, as the
+Pages render what `api.admin.overview`, `api.admin.usage` and `api.admin.billing` read (the
+usage page's charts fetch `/admin/api/usage`; the live and fleet tables are fetched again by
+htmx). Logging in trades an admin key for the session cookie (`api.admin.cookies`):
+HTTP-only, `SameSite=Strict`, scoped to `/admin`, and `Secure` when the request came over
+https or `admin_secure_cookie` is `always`. Logging in and out are written to the audit log, as the
 forms' changes are. Pages, scripts and styles come from this server alone; `api.admin.forms`
 takes the forms that change something.
 """
@@ -12,7 +12,7 @@ takes the forms that change something.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from api.admin import cookies, overview
 from api.admin.auth import Admin, PageAdmin, check_csrf, session_of
+from api.admin.billing import billing_view
 from api.admin.render import HEADERS, HERE, Form, moment, redirect, render, root, tenants_page
 from api.admin.usage import (
     TOP_SERIES,
@@ -31,6 +32,7 @@ from api.admin.usage import (
     parse_range,
 )
 from api.deps import AppState, State, authenticate
+from billing.stripe_push import RESEND_WITHIN
 from core import audit
 from core.errors import AuthenticationFailed, InvalidInput, NotFound, PermissionDenied
 from core.tables import ApiKey
@@ -201,6 +203,25 @@ def fleet_tables(request: Request, state: State, admin: PageAdmin) -> HTMLRespon
 @router.get("/tenants")
 def tenants_view(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
     return tenants_page(request, state, admin)
+
+
+@router.get("/billing")
+def billing_page(request: Request, state: State, admin: PageAdmin) -> HTMLResponse:
+    """Stripe's lag and the latest reconciliation; not refreshed by itself, since pushes run
+    minutes apart."""
+    now = state.clock.now()
+    with state.database.reader() as db:
+        view = billing_view(db, now, state.settings)
+    return render(
+        request,
+        state,
+        admin,
+        "billing",
+        title="Billing",
+        billing=view,
+        now=moment(now),
+        resend_hours=RESEND_WITHIN // timedelta(hours=1),
+    )
 
 
 @router.get("/static/{name:path}")

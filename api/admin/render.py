@@ -61,13 +61,26 @@ def _mebibytes(count: int) -> str:
     return f"{count / 2**20:,.1f} MiB"
 
 
+def duration(seconds: float) -> str:
+    """A span as the pages show it, to the minute: `3 d 4 h`, `2 h 5 min`, `7 min`."""
+    minutes = max(int(seconds) // 60, 0)
+    days, hours = divmod(minutes // 60, 24)
+    if days:
+        return f"{days} d {hours} h"
+    return f"{hours} h {minutes % 60} min" if hours else f"{minutes} min"
+
+
 _TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(HERE / "templates"),
     autoescape=True,
     undefined=jinja2.StrictUndefined,
 )
 _TEMPLATES.globals.update(
-    moment=moment, dollars=dollars, plain_dollars=_plain_dollars, mebibytes=_mebibytes
+    moment=moment,
+    dollars=dollars,
+    plain_dollars=_plain_dollars,
+    mebibytes=_mebibytes,
+    duration=duration,
 )
 
 

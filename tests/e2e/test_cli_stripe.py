@@ -15,6 +15,7 @@ from sqlalchemy import select
 
 from billing import stripe_parts
 from billing.stripe_parts import Cell, PendingPush, push_identifier
+from billing.tables import StripeReconciliation
 from core import tenants
 from core.clock import FakeClock
 from core.tables import AuditLog
@@ -87,6 +88,10 @@ def test_link_push_and_reconcile(tmp_path: Path, fake: FakeStripe) -> None:
     assert differing.returncode == 1
     assert "differs" in differing.stdout
     assert "+1,000" in differing.stdout
+    # Each run's result is kept for the dashboard's billing page.
+    with ledger.database.reader() as db:
+        kept = db.scalars(select(StripeReconciliation.outcome).order_by(StripeReconciliation.id))
+        assert list(kept) == ["equal", "differs"]
 
 
 def test_an_unconfirmed_meter_event_is_reported_and_resolved(

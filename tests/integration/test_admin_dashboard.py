@@ -155,8 +155,10 @@ def test_only_an_admin_gets_in_and_a_cookie_counts_only_while_valid(
     dashboard: Dashboard,
 ) -> None:
     d = dashboard
-    routes = ["/admin/api/usage", "/admin/api/tenants", "/admin/api/live", "/admin/api/fleet"]
-    pages = ["/admin/usage", "/admin/live", "/admin/fleet", "/admin/tenants", "/admin/live/tables"]
+    routes = ["/admin/api/usage", "/admin/api/tenants", "/admin/api/live", "/admin/api/fleet",
+              "/admin/api/billing"]  # fmt: skip
+    pages = ["/admin/usage", "/admin/live", "/admin/fleet", "/admin/tenants", "/admin/live/tables",
+             "/admin/billing"]  # fmt: skip
     for path in routes:
         assert d.client.get(path).status_code == 401, path
         tenant = d.client.get(path, headers={"X-API-Key": d.acme.key})
@@ -339,7 +341,8 @@ def test_pages_and_files_refer_to_no_other_origin(dashboard: Dashboard) -> None:
     d = dashboard
     d.log_in()
     seen: set[str] = set()
-    for page in ("/admin/login", "/admin/usage", "/admin/live", "/admin/fleet", "/admin/tenants"):
+    pages = ("login", "usage", "live", "fleet", "tenants", "billing")
+    for page in (f"/admin/{name}" for name in pages):
         response = d.client.get(page)
         assert response.status_code == 200, page
         policy = response.headers["content-security-policy"]
@@ -370,7 +373,7 @@ def test_the_dashboard_stays_out_of_the_openapi_document(dashboard: Dashboard) -
 
 def test_admin_api_answers_are_not_cached(dashboard: Dashboard) -> None:
     headers = {"X-API-Key": dashboard.admin.key}
-    for path in ("usage", "usage.csv", "tenants", "live", "fleet"):
+    for path in ("usage", "usage.csv", "tenants", "live", "fleet", "billing"):
         response = dashboard.client.get(f"/admin/api/{path}", headers=headers)
         assert response.status_code == 200, path
         assert response.headers["cache-control"] == "no-store", path
