@@ -3,8 +3,8 @@ an embedded server: a visitor is sent to log in; an admin key's login shows the 
 with the seeded numbers (read back from the Chart.js objects and compared with the JSON route);
 a new date range and hour buckets redraw them; a key revoked on the tenants page gets 401 from
 the API; a tenant's session quota is raised; the live and fleet pages render and refresh
-without a console error; logging out ends the session. Screenshots of each page go to the
-test's tmp folder."""
+without a console error; the billing page says this server has no Stripe key; logging out ends
+the session. Screenshots of each page go to the test's tmp folder."""
 
 from __future__ import annotations
 
@@ -150,6 +150,13 @@ def test_an_admin_reads_usage_changes_keys_and_limits_and_logs_out(
         with page.expect_response(lambda r: r.url.endswith("/tables"), timeout=15_000):
             pass
         page.screenshot(path=str(tmp_path / f"admin-{name.lower()}.png"), full_page=True)
+
+    # This server has no Stripe key: the billing page says so and how to set one.
+    page.click("nav >> text=Billing")
+    expect(page.locator("#stripe-off")).to_contain_text("TREADLE_STRIPE_API_KEY")
+    expect(page.locator("#oldest-unaccepted")).to_contain_text("none")
+    assert api.get("/admin/api/billing").json()["stripe"]["configured"] is False
+    page.screenshot(path=str(tmp_path / "admin-billing.png"), full_page=True)
 
     page.click("#logout")
     expect(page).to_have_url(f"{base}/admin/login")
