@@ -7,10 +7,13 @@ Each step samples `group_size` completions of `groups_per_step` fresh problems, 
 completion 1 when its answer is right, gives each completion its reward minus its group's
 mean divided by the group's standard deviation as advantage, drops groups where every
 completion scored the same, and trains a LoRA adapter on the rest with a policy loss
-(`importance_sampling`, `ppo` or `cispo`) in `sub_batches` forward_backward calls and one
-optim_step. In `sync` mode a step samples with the weights it is about to train; in
-`overlapped` mode sampling for the next step runs while this one trains (groups more than
-`max_staleness` steps old are dropped). Greedy accuracy on the task's held-out problems is
+(`importance_sampling`, `ppo` or `cispo`): the groups split into `minibatches`, each trained
+by `sub_batches` forward_backward calls and one optim_step, so one sampled batch makes
+`minibatches` updates (the later ones off-policy by the earlier ones' updates, which the
+clipped losses bound). A step that trained nothing saves no new sampler weights. In `sync`
+mode a step samples with the weights it is about to train; in `overlapped` mode sampling for
+the next step runs while this one trains (groups more than `max_staleness` steps old are
+dropped). Greedy accuracy on the task's held-out problems is
 measured at the start, every `eval_every` steps and at the end.
 
 The default task is 3-digit addition (`treadle_cookbook.arith`), whose served model comes
@@ -18,8 +21,8 @@ from the script above. `--task gsm8k --gsm8k_path FILE` trains on GSM8K-format p
 instead (the last 10 % of the file held out), for a model that can read them.
 
 Writes config.json, metrics.jsonl (per step: reward, accuracy of the samples,
-kl_sampler_trainer, frac_constant_dropped, stale_dropped, staleness; per evaluation:
-held_out_accuracy), checkpoints.jsonl, reward.png
+kl_sampler_trainer of the first minibatch and kl_last_minibatch, frac_constant_dropped,
+stale_dropped, staleness; per evaluation: held_out_accuracy), checkpoints.jsonl, reward.png
 and accuracy.png to `log_dir`. Interrupted, the same command continues from the latest
 checkpoint.
 """
@@ -37,12 +40,12 @@ from typing import Literal
 from pydantic import Field
 from rich.progress import Progress
 
-from treadle import ServiceClient, types
+from treadle import ServiceClient, TrainingClient, types
 from treadle_cookbook import arith, checkpoints
 from treadle_cookbook.config import RecipeConfig
 from treadle_cookbook.metrics import MetricsLog
 from treadle_cookbook.rl.datums import PolicyLoss
-from treadle_cookbook.rl.groups import drop_constant
+from treadle_cookbook.rl.groups import Group, drop_constant
 from treadle_cookbook.rl.rollouts import (
     Codec,
     OverlappedRollouts,
@@ -50,7 +53,7 @@ from treadle_cookbook.rl.rollouts import (
     SyncRollouts,
     greedy_accuracy,
 )
-from treadle_cookbook.rl.train import train_step
+from treadle_cookbook.rl.train import split, train_step
 
 
 class Config(RecipeConfig):
@@ -63,6 +66,9 @@ class Config(RecipeConfig):
     learning_rate: float = Field(default=2e-4, description="AdamW learning rate (constant)")
     loss_fn: PolicyLoss = Field(default="importance_sampling", description="the policy loss")
     sub_batches: int = Field(default=1, description="forward_backward calls per optim_step")
+    minibatches: int = Field(
+        default=1, description="optim_steps per sampled batch, each on its share"
+    )
     mode: Literal["sync", "overlapped"] = Field(default="sync", description="rollout scheduling")
     max_staleness: int = Field(default=3, description="overlapped: oldest weights kept, in steps")
     temperature: float = Field(default=1.0, description="sampling temperature of rollouts")
@@ -94,6 +100,30 @@ def load_task(
         grade, max_tokens = arith.final_answer_match, 256
     spec = RolloutSpec(codec, grade, cfg.group_size, cfg.max_tokens or max_tokens, cfg.temperature)
     return train, held_out[: cfg.eval_problems], spec
+
+
+async def train_minibatches(
+    training: TrainingClient, groups: list[Group], cfg: Config, adam: types.AdamParams
+) -> dict[str, float]:
+    """Train on `groups` in `cfg.minibatches` optim_steps, each on its share of the groups.
+
+    The first minibatch is on-policy, so its `kl_sampler_trainer` checks sampler against
+    trainer; the later ones are trained by weights already moved off the sampler's (their
+    importance ratios, clipped by `ppo` and `cispo`, account for it), and
+    `kl_last_minibatch` says how far.
+    """
+    parts = [
+        await train_step(
+            training, part, loss_fn=cfg.loss_fn, adam=adam, sub_batches=cfg.sub_batches
+        )
+        for part in split(groups, cfg.minibatches)
+    ]
+    metrics = dict(parts[0])
+    metrics["loss"] = sum(p["loss"] for p in parts)
+    metrics["datums"] = sum(p["datums"] for p in parts)
+    metrics["kl_last_minibatch"] = parts[-1]["kl_sampler_trainer"]
+    metrics["minibatches"] = float(len(parts))
+    return metrics
 
 
 async def run(cfg: Config) -> None:
@@ -135,10 +165,8 @@ async def run(cfg: Config) -> None:
                 "staleness_max": float(max(batch.staleness)),
             }
             if groups:  # every group constant: nothing to learn from, the weights stay
-                metrics |= await train_step(
-                    training, groups, loss_fn=cfg.loss_fn, adam=adam, sub_batches=cfg.sub_batches
-                )
-            sampler = await training.save_weights_and_get_sampling_client_async()
+                metrics |= await train_minibatches(training, groups, cfg, adam)
+                sampler = await training.save_weights_and_get_sampling_client_async()
             rollouts.publish(sampler, step + 1)
             metrics["step_seconds"] = time.monotonic() - started
             log.log(step, metrics)
