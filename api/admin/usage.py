@@ -1,26 +1,34 @@
 """Usage over time across every tenant, for the dashboard's charts and CSV export.
 
-It sums the hourly rollups (`billing.tables.UsageRollup`), never the ledger, so a request costs
-the same however many events an hour held. A rollup row keys tenant, API key, base model and
-kind, which are the groupings offered; day buckets are folded from hours by the database, in
-UTC. Tokens are the quantities of the token kinds (training, prefill, sampled); checkpoints and
-storage add cost but no tokens. Only the largest `TOP_SERIES` groups of the range are charted
-one by one; the rest are summed as one "other" series, so a chart stays legible with hundreds
-of tenants.
+It sums rollups, never the ledger, so a request costs the same however many events an hour
+held. A range counts the hours that start in it, exactly, whatever its buckets:
+
+- Hour buckets sum the hourly rollups (`billing.tables.UsageRollup`) of the range.
+- Day buckets are UTC days. Each whole UTC day of the range is one row per tenant, API key,
+  base model and kind in the daily rollups (`billing.tables.DailyUsage`), which fold sessions
+  and price versions; a range that starts or ends mid-day reads the hours of that cut day
+  (at most 23 at each end) from the hourly rollups, so its first or last bucket holds only
+  the day's hours in the range, as it would summed hour by hour.
+- The top tenants are the range's totals, read like day buckets whatever the chart's buckets.
+
+Both rollups key tenant, API key, base model and kind, which are the groupings offered. Tokens
+are the quantities of the token kinds (training, prefill, sampled); checkpoints and storage add
+cost but no tokens. Only the largest `TOP_SERIES` groups of the range are charted one by one;
+the rest are summed as one "other" series, so a chart stays legible with hundreds of tenants.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from sqlalchemy import ColumnElement, case, func, literal_column, select
+from sqlalchemy import ColumnElement, case, func, select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.limits import dollars
 from billing.prices import TOKEN_KINDS
-from billing.tables import NO_DIMENSION, UsageRollup
+from billing.tables import NO_DIMENSION, DailyUsage, UsageRollup
 from core.errors import InvalidInput
 from core.tables import ApiKey, Tenant
 
@@ -33,14 +41,8 @@ OTHER = "other"
 MAX_SPAN = {"hour": timedelta(days=31), "day": timedelta(days=366)}
 FIRST_YEAR, LAST_YEAR = 2000, 2200
 
-_COLUMNS = {
-    "tenant": UsageRollup.tenant_id,
-    "key": UsageRollup.api_key_id,
-    "model": UsageRollup.base_model,
-    "kind": UsageRollup.kind,
-}
-_TOKENS = func.sum(case((UsageRollup.kind.in_(TOKEN_KINDS), UsageRollup.quantity), else_=0))
-_COST = func.sum(UsageRollup.amount_micros)
+# The column of each grouping, named alike in both rollups.
+_COLUMNS = {"tenant": "tenant_id", "key": "api_key_id", "model": "base_model", "kind": "kind"}
 
 
 @dataclass(frozen=True)
@@ -100,32 +102,64 @@ def _floor(moment: datetime, bucket: Bucket) -> datetime:
     return hour.replace(hour=0) if bucket == "day" else hour
 
 
+def _ceil(moment: datetime, bucket: Bucket) -> datetime:
+    floor = _floor(moment, bucket)
+    return floor if floor == moment else floor + _STEP[bucket]
+
+
+_STEP = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
+
+
 def _buckets(start: datetime, end: datetime, bucket: Bucket) -> list[datetime]:
-    step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
     moments, moment = [], _floor(start, bucket)
     while moment < end:
         moments.append(moment)
-        moment += step
+        moment += _STEP[bucket]
     return moments
 
 
-def _bucket_of(db: OrmSession, bucket: Bucket) -> ColumnElement[Any]:
-    """The rollup's hour, or its UTC day, folded by the database: a month of days is a few
-    thousand rows to read back where its hours would be tens of thousands. Literal arguments,
-    since PostgreSQL matches a grouped expression to the selected one only when spelled alike."""
+@dataclass(frozen=True)
+class _Part:
+    """A stretch [first, last) of a range, read from one rollup table."""
+
+    table: type[UsageRollup] | type[DailyUsage]
+    first: datetime
+    last: datetime
+
+    @property
+    def moment(self) -> ColumnElement[datetime]:
+        """The table's time column: an hourly rollup's hour, or a daily one's day."""
+        return (UsageRollup.hour if self.table is UsageRollup else DailyUsage.day).expression
+
+    def within(self) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
+        return self.moment >= self.first, self.moment < self.last
+
+    def column(self, name: str) -> ColumnElement[str]:
+        return cast(ColumnElement[str], getattr(self.table, name).expression)
+
+    def tokens(self) -> ColumnElement[Any]:
+        table = self.table
+        return func.sum(case((table.kind.in_(TOKEN_KINDS), table.quantity), else_=0))
+
+    def cost(self) -> ColumnElement[Any]:
+        return func.sum(self.table.amount_micros)
+
+
+def _parts(start: datetime, end: datetime, bucket: Bucket) -> list[_Part]:
+    """Where the hours starting in [start, end) are read from: for hour buckets, the hourly
+    rollups; for day buckets (and totals), the daily rollups for the range's whole UTC days and
+    the hourly ones for the hours of a day the range cuts."""
     if bucket == "hour":
-        return UsageRollup.hour.expression
-    if db.get_bind().dialect.name == "postgresql":
-        utc = func.timezone(literal_column("'UTC'"), UsageRollup.hour)
-        return func.date_trunc(literal_column("'day'"), utc)
-    return func.substr(UsageRollup.hour, 1, 10)  # SQLite holds UTC times as ISO text
-
-
-def _utc(value: datetime | str) -> datetime:
-    """A bucket's start as the database gave it: an aware or naive (UTC) time, or ISO text."""
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return [_Part(UsageRollup, start, end)]
+    # The hours starting in [start, end) are those in [first hour, last hour).
+    first_hour, last_hour = _ceil(start, "hour"), _ceil(end, "hour")
+    first_day, last_day = _ceil(first_hour, "day"), _floor(last_hour, "day")
+    if first_day >= last_day:
+        return [_Part(UsageRollup, first_hour, last_hour)]
+    cut = [(first_hour, first_day), (last_day, last_hour)]
+    return [_Part(DailyUsage, first_day, last_day)] + [
+        _Part(UsageRollup, first, last) for first, last in cut if first < last
+    ]
 
 
 def usage_chart(
@@ -133,26 +167,27 @@ def usage_chart(
 ) -> UsageChart:
     """Tokens and cost of the hours in [start, end) (aware, UTC), per `bucket` and `group`."""
     check_range(start, end, bucket)
-    column, bucket_of = _COLUMNS[group], _bucket_of(db, bucket)
-    rows = db.execute(
-        select(bucket_of, column, _TOKENS, _COST)
-        .where(UsageRollup.hour >= start, UsageRollup.hour < end)
-        .group_by(bucket_of, column)
-    ).all()
     moments = _buckets(start, end, bucket)
     index = {moment: i for i, moment in enumerate(moments)}
-    # Rows repeat each bucket once per group: read each bucket's value from the database once.
-    position: dict[object, int] = {}
+    # Rows repeat each time once per group: find each time's bucket once.
+    position: dict[datetime, int] = {}
     cells: dict[str, tuple[list[int], list[int]]] = {}
-    for moment, key, tokens, cost in rows:
-        tokens_by_bucket, cost_by_bucket = cells.setdefault(
-            str(key), ([0] * len(moments), [0] * len(moments))
-        )
-        if moment not in position:
-            position[moment] = index[_floor(_utc(moment), bucket)]
-        i = position[moment]
-        tokens_by_bucket[i] += int(tokens or 0)
-        cost_by_bucket[i] += int(cost or 0)
+    for part in _parts(start, end, bucket):
+        column = part.column(_COLUMNS[group])
+        rows = db.execute(
+            select(part.moment, column, part.tokens(), part.cost())
+            .where(*part.within())
+            .group_by(part.moment, column)
+        ).all()
+        for moment, key, tokens, cost in rows:
+            tokens_by_bucket, cost_by_bucket = cells.setdefault(
+                str(key), ([0] * len(moments), [0] * len(moments))
+            )
+            if moment not in position:
+                position[moment] = index[_floor(moment, bucket)]
+            i = position[moment]
+            tokens_by_bucket[i] += int(tokens or 0)
+            cost_by_bucket[i] += int(cost or 0)
     ranked = sorted(cells, key=lambda k: (-sum(cells[k][1]), -sum(cells[k][0]), k))
     shown, folded = ranked[:TOP_SERIES], ranked[TOP_SERIES:]
     labels = _labels(db, group, shown)
@@ -174,18 +209,23 @@ def usage_chart(
 
 def top_tenants(db: OrmSession, start: datetime, end: datetime) -> list[TenantTotal]:
     """The tenants that spent most in [start, end), then used the most tokens."""
-    cost, tokens = _COST.label("cost"), _TOKENS.label("tokens")
-    rows = db.execute(
-        select(UsageRollup.tenant_id, Tenant.name, tokens, cost)
-        .join(Tenant, Tenant.id == UsageRollup.tenant_id)
-        .where(UsageRollup.hour >= start, UsageRollup.hour < end)
-        .group_by(UsageRollup.tenant_id, Tenant.name)
-        .order_by(cost.desc(), tokens.desc(), Tenant.name)
-        .limit(TOP_TENANTS)
-    ).all()
+    totals: dict[tuple[str, str], list[int]] = {}
+    for part in _parts(start, end, "day"):
+        tenant_id = part.column("tenant_id")
+        rows = db.execute(
+            select(tenant_id, Tenant.name, part.tokens(), part.cost())
+            .join(Tenant, Tenant.id == tenant_id)
+            .where(*part.within())
+            .group_by(tenant_id, Tenant.name)
+        ).all()
+        for tid, name, tokens, cost in rows:
+            total = totals.setdefault((tid, name), [0, 0])
+            total[0] += int(tokens or 0)
+            total[1] += int(cost or 0)
+    ranked = sorted(totals.items(), key=lambda item: (-item[1][1], -item[1][0], item[0][1]))
     return [
-        TenantTotal(tid, name, int(t or 0), int(c or 0), dollars(int(c or 0)))
-        for tid, name, t, c in rows
+        TenantTotal(tid, name, tokens, cost, dollars(cost))
+        for (tid, name), (tokens, cost) in ranked[:TOP_TENANTS]
     ]
 
 

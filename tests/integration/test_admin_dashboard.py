@@ -151,6 +151,62 @@ def test_usage_sums_the_rollups_per_bucket_and_group(dashboard: Dashboard) -> No
     assert bad.status_code == 422 and "2026-01-31" in bad.json()["detail"]
 
 
+def test_day_buckets_of_a_range_cut_mid_day_hold_only_its_hours(dashboard: Dashboard) -> None:
+    """Day buckets sum the hours that start in the range, as its hour buckets do, whether the
+    range starts and ends at midnight (whole days, read from the daily rollups), mid-day or
+    mid-hour (the cut days' hours read from the hourly ones); the top tenants likewise."""
+    d = dashboard
+    first = DAY - timedelta(days=1)
+    for n in range(56):
+        kind = ("training", "sampling_sample", "checkpoint")[n % 3]
+        record(d.database, (d.acme, d.globex)[n % 2], first + timedelta(hours=n), kind=kind,
+               model=f"m/{n % 4}", quantity=n + 1, amount_micros=1000 * (n + 1))  # fmt: skip
+    headers = {"X-API-Key": d.admin.key}
+    ranges = [
+        ("2026-03-08", "2026-03-10"),
+        ("2026-03-08T05:00:00Z", "2026-03-10T04:00:00Z"),
+        ("2026-03-08T05:30:00Z", "2026-03-09T21:59:00Z"),
+        ("2026-03-08T23:00:00Z", "2026-03-09T01:00:00Z"),
+        ("2026-03-09T10:00:00+05:30", "2026-03-10T10:00:00+05:30"),
+    ]
+    for start, end in ranges:
+        query = {"start": start, "end": end, "group": "model"}
+        days = d.client.get("/admin/api/usage", params=query, headers=headers).json()
+        hours = d.client.get(
+            "/admin/api/usage", params=query | {"bucket": "hour"}, headers=headers
+        ).json()
+        folded: dict[tuple[str, str], list[int]] = {}
+        for s in hours["series"]:
+            for moment, tokens, cost in zip(
+                hours["buckets"], s["tokens"], s["cost_micros"], strict=True
+            ):
+                sums = folded.setdefault((s["key"], moment[:10]), [0, 0])
+                sums[0] += tokens
+                sums[1] += cost
+        by_day = {
+            (s["key"], moment[:10]): [tokens, cost]
+            for s in days["series"]
+            for moment, tokens, cost in zip(
+                days["buckets"], s["tokens"], s["cost_micros"], strict=True
+            )
+        }
+        assert by_day == folded, (start, end)
+        assert days["top_tenants"] == hours["top_tenants"], (start, end)
+        assert sum(t["cost_micros"] for t in days["top_tenants"]) > 0
+    # From 05:30 on the 8th to 21:59 on the 9th: the hours 06:00 to 21:00 of the 8th in its
+    # bucket, 00:00 to 21:00 of the 9th in the next; acme's are the even hours, globex's odd.
+    query = {"start": ranges[2][0], "end": ranges[2][1], "group": "tenant"}
+    body = d.client.get("/admin/api/usage", params=query, headers=headers).json()
+    assert body["buckets"] == ["2026-03-08T00:00:00Z", "2026-03-09T00:00:00Z"]
+    assert {s["label"]: s["cost_micros"] for s in body["series"]} == {
+        name: [1000 * sum(n + 1 for n in range(*day)) for day in days]
+        for name, days in (
+            ("acme", ((6, 24, 2), (24, 46, 2))),
+            ("globex", ((7, 24, 2), (25, 46, 2))),
+        )
+    }
+
+
 def test_only_an_admin_gets_in_and_a_cookie_counts_only_while_valid(
     dashboard: Dashboard,
 ) -> None:
