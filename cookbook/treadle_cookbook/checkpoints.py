@@ -51,12 +51,16 @@ def resume(
     """A training client and the step to start from.
 
     From the latest checkpoint in `log_dir` (weights and optimizer state, in a new run) when
-    there is one; else a new LoRA run on `config.model` at step 0.
+    there is one; else at step 0, a new run from the weights of `config.load_checkpoint_path`
+    (with a fresh optimizer: the run that saved them trained something else) when it is set,
+    or a new LoRA run on `config.model`.
     """
     checkpoint = latest(log_dir)
     if checkpoint is not None:
         client = service_client.create_training_client_from_state_with_optimizer(checkpoint["path"])
         return client, int(checkpoint["step"])
+    if config.load_checkpoint_path is not None:
+        return service_client.create_training_client_from_state(config.load_checkpoint_path), 0
     client = service_client.create_lora_training_client(
         config.model, rank=config.lora_rank, seed=config.seed
     )

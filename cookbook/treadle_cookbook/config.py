@@ -47,6 +47,11 @@ class RecipeConfig(BaseModel):
     )
     seed: int = Field(default=0, description="seed of data order and adapter initialisation")
     lora_rank: int = Field(default=32, description="LoRA rank of a new training run")
+    load_checkpoint_path: str | None = Field(
+        default=None,
+        description="start a new run from these weights (a tinker:// path, e.g. an SFT run's "
+        "checkpoint) instead of the base model; ignored once log_dir holds checkpoints",
+    )
     mlflow_uri: str | None = Field(
         default=None, description="MLflow tracking URI; metrics are logged there too when set"
     )

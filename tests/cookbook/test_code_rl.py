@@ -1,9 +1,15 @@
-"""The code RL recipe runs end to end against an embedded server, and resumes after a kill.
+"""The code RL recipe trains on groups whose rewards differ, end to end against an embedded
+server, and resumes after a kill.
 
-treadle/tiny-1m writes no code, so every reward is -0.1; `--train_constant_groups true` makes
-the steps still send their (zero-advantage) datums through cispo's forward_backward in two
-sub-batches and optim_step. The two-turn path at the token level is tested with a scripted
-sampler and the tiny models' tokenizer and chat template, no model.
+treadle/tiny-1m writes no code, so on it every reward is -0.1 and nothing would train. The test
+starts the way one starts RL on a model that has not seen the format: a few sft_chat steps on
+the answer "```python\n```" (an empty program, which passes the problem "print nothing"),
+then code_rl from that checkpoint (`--load_checkpoint_path`) with the first answer opened by
+"```python\n" (`--answer_prefix`). The model then closes the block at once (reward 1.0),
+after some code (0.0) or not at all (-0.1), so rewards differ inside groups. (Measured: 15 SFT
+steps put 64 samples at 34 x 1.0, 9 x 0.0, 21 x -0.1; without the prefix all 64 were -0.1.) The
+two-turn path at the token level is tested with a scripted sampler and the tiny models'
+tokenizer and chat template, no model.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from tests.server import LiveServer, start_server
 from treadle import types
 from treadle.tokenizer import Tokenizer
 from treadle_cookbook import checkpoints, code_tasks, metrics
-from treadle_cookbook.recipes import code_rl
+from treadle_cookbook.recipes import code_rl, sft_chat
 from treadle_cookbook.renderers import Renderer
 from treadle_cookbook.rl.datums import datum
 
@@ -34,6 +40,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RECIPE_TIMEOUT_S = 120
 STEPS = 4
+SFT_STEPS = 15
+PREFIX = "```python\n"
+SILENT = {
+    "id": "print-nothing",
+    "problem": "Write a program that prints nothing.",
+    "tests": [{"input": "", "output": "", "testtype": "stdin"}],
+}
+EMPTY_PROGRAM = "```python\n```"
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +55,41 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     yield from start_server(tmp_path_factory.mktemp("server"))
 
 
-def recipe(server: LiveServer, api_key: str, log_dir: Path) -> subprocess.Popen[str]:
+def warm_start(server: LiveServer, api_key: str, folder: Path) -> tuple[Path, str]:
+    """The problem file, and the checkpoint of a short SFT run on its empty-program answer."""
+    problems = folder / "problems.jsonl"
+    problems.write_text(json.dumps(SILENT) + "\n")
+    problem = code_tasks.from_deepcoder(SILENT)
+    answer = {"role": "assistant", "content": EMPTY_PROGRAM}
+    chats = folder / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [*code_tasks.conversation(problem), answer]}) + "\n")
+    sft_chat.main(
+        [
+            f"--base_url={server.base_url}", f"--api_key={api_key}", "--model=treadle/tiny-1m",
+            f"--log_dir={folder / 'sft'}", f"--data={chats}", "--held_out_fraction=0",
+            f"--steps={SFT_STEPS}", "--batch_size=1", "--learning_rate=5e-3",
+            f"--save_every={SFT_STEPS}",
+        ]
+    )  # fmt: skip
+    checkpoint = checkpoints.latest(folder / "sft")
+    assert checkpoint is not None
+    return problems, checkpoint["path"]
+
+
+def recipe(
+    server: LiveServer, api_key: str, log_dir: Path, problems: Path, start: str
+) -> subprocess.Popen[str]:
     args = [
         "--model=treadle/tiny-1m",
         f"--log_dir={log_dir}",
+        f"--problems_path={problems}",
+        f"--load_checkpoint_path={start}",
+        f"--answer_prefix={PREFIX}",
         f"--steps={STEPS}",
-        "--groups_per_step=2",
-        "--group_size=2",
-        "--max_tokens=12",
-        "--lora_rank=4",
+        "--groups_per_step=4",
+        "--group_size=4",
+        "--max_tokens=16",
         "--save_every=1",
-        "--train_constant_groups=true",
         "--wall_time_s=2",
     ]
     env = os.environ | {"TREADLE_BASE_URL": server.base_url, "TREADLE_API_KEY": api_key}
@@ -64,10 +102,13 @@ def recipe(server: LiveServer, api_key: str, log_dir: Path) -> subprocess.Popen[
     )
 
 
-def test_recipe_reports_reward_and_resumes_after_a_kill(server: LiveServer, tmp_path: Path) -> None:
+def test_recipe_trains_on_differing_rewards_and_resumes_after_a_kill(
+    server: LiveServer, tmp_path: Path
+) -> None:
     api_key = server.make_tenant().key
+    problems, start = warm_start(server, api_key, tmp_path)
     log_dir = tmp_path / "run"
-    first = recipe(server, api_key, log_dir)
+    first = recipe(server, api_key, log_dir, problems, start)
     deadline = time.monotonic() + RECIPE_TIMEOUT_S
     while checkpoints.latest(log_dir) is None:
         assert first.poll() is None, first.communicate()[0]
@@ -78,7 +119,7 @@ def test_recipe_reports_reward_and_resumes_after_a_kill(server: LiveServer, tmp_
     killed_at = checkpoints.latest(log_dir)
     assert killed_at is not None and killed_at["step"] < STEPS
 
-    second = recipe(server, api_key, log_dir)
+    second = recipe(server, api_key, log_dir, problems, start)
     output, _ = second.communicate(timeout=RECIPE_TIMEOUT_S)
     assert second.returncode == 0, output
 
@@ -86,9 +127,15 @@ def test_recipe_reports_reward_and_resumes_after_a_kill(server: LiveServer, tmp_
     assert {row["step"] for row in rows} == set(range(STEPS))
     resumed = rows[[row["step"] for row in rows].index(killed_at["step"]) :]
     assert [row["step"] for row in resumed] == list(range(killed_at["step"], STEPS))
-    for row in rows:
-        assert row["reward"] == pytest.approx(-0.1) and row["code_block_rate"] == 0.0
-        assert row["datums"] == 4 and row["staleness_max"] <= 3 and "loss" in row
+    # Steps whose groups all scored alike train nothing; the others train every attempt of
+    # their varied groups, with advantages that are not zero, and the update moves weights.
+    trained = [row for row in rows if "datums" in row]
+    assert trained, rows
+    for row in trained:
+        varied_groups = round(4 * (1 - row["frac_constant_dropped"]))
+        assert row["datums"] == 4 * varied_groups and row["advantage_abs_mean"] > 0.5
+        assert row["grad_norm"] > 0 and row["staleness_max"] <= 3
+        assert row["code_block_rate"] > 0  # without a block every reward is -0.1
     assert checkpoints.read(log_dir)[-1]["step"] == STEPS
     config = json.loads((log_dir / "config.json").read_text())
     assert config["loss_fn"] == "cispo" and "api_key" not in config
@@ -184,3 +231,17 @@ def test_an_attempt_without_a_tool_call_is_one_turn(renderer: Renderer) -> None:
     assert one.info == {"has_code": 0.0, "called_tool": 0.0} and one.mask == [True] * len(
         one.tokens
     )
+
+
+def test_an_answer_prefix_is_prompted_and_graded_but_not_trained(renderer: Renderer) -> None:
+    sampler = ScriptedSampler(renderer, "a, b = map(int, input().split())\nprint(a + b)\n```")
+    cfg = code_rl.Config(log_dir=Path("unused"), max_tokens=64, answer_prefix=PREFIX)
+    grader = code_rl.Grader(code_rl.Limits(wall_time_s=2.0), tool_tests=1)
+    try:
+        one = asyncio.run(code_rl.attempt(sampler, PROBLEM, cfg, renderer, grader))
+    finally:
+        grader.close()
+    prefix = renderer.tokenizer.encode(PREFIX, add_special_tokens=False)
+    assert one.reward == 1.0 and one.info["has_code"] == 1.0
+    assert sampler.prompts == [one.prompt_tokens] and one.prompt_tokens[-len(prefix) :] == prefix
+    assert one.mask == [True] * len(one.tokens)

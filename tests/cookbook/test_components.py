@@ -203,6 +203,10 @@ class FakeServiceClient:
         self.calls.append(("new", (model, rank, seed)))
         return "new-client"
 
+    def create_training_client_from_state(self, path: str) -> str:
+        self.calls.append(("load", path))
+        return "loaded-client"
+
 
 def test_checkpoints_are_listed_and_the_latest_resumed(tmp_path: Path) -> None:
     config = ExampleConfig(log_dir=tmp_path, lora_rank=4, seed=2)
@@ -222,6 +226,19 @@ def test_checkpoints_are_listed_and_the_latest_resumed(tmp_path: Path) -> None:
     }
     assert checkpoints.resume(service, tmp_path, config) == ("resumed-client", 4)  # type: ignore[arg-type]
     assert service.calls[-1] == ("resume", "tinker://run-1/weights/step_4")
+
+
+def test_a_new_run_starts_from_load_checkpoint_path_until_it_has_checkpoints(
+    tmp_path: Path,
+) -> None:
+    sft = "tinker://sft-run/weights/step-000015"
+    config = ExampleConfig(log_dir=tmp_path, load_checkpoint_path=sft)
+    service = FakeServiceClient()
+    assert checkpoints.resume(service, tmp_path, config) == ("loaded-client", 0)  # type: ignore[arg-type]
+    assert service.calls == [("load", sft)]  # the weights, with a fresh optimizer
+    checkpoints.save(FakeTrainingClient("rl-run"), tmp_path, 3, name="step_3")  # type: ignore[arg-type]
+    assert checkpoints.resume(service, tmp_path, config) == ("resumed-client", 3)  # type: ignore[arg-type]
+    assert service.calls[-1] == ("resume", "tinker://rl-run/weights/step_3")
 
 
 # -- data -----------------------------------------------------------------------------------

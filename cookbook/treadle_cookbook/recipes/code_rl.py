@@ -27,7 +27,8 @@ tool_call_rate, frac_constant_dropped, stale_dropped, staleness_mean/max; on ste
 kl_sampler_trainer, loss, datums, advantage_abs_mean, grad_norm), checkpoints.jsonl and
 reward.png, tools.png to `log_dir`. Interrupted, the same command continues from the latest
 checkpoint. A base model that never writes a ```python block scores -0.1 on every attempt and
-nothing trains; `--load_checkpoint_path` starts from weights that do (an SFT run's checkpoint).
+nothing trains; `--load_checkpoint_path` starts from weights that do (an SFT run's checkpoint),
+and `--answer_prefix` writes the start of the first answer for the model.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class Config(RecipeConfig):
     max_tokens: int = Field(default=256, description="tokens sampled per turn")
     temperature: float = Field(default=1.0, description="sampling temperature")
     tool_tests: int = Field(default=1, description="tests check_solution runs (from the first)")
+    answer_prefix: str = Field(
+        default="",
+        description="text the first answer starts with, put in the prompt after the assistant "
+        "header (neither sampled nor trained), e.g. '```python\\n' to steer toward a code block",
+    )
     wall_time_s: float = Field(default=5.0, description="sandbox wall-clock limit per test")
     train_constant_groups: bool = Field(default=False, description="train on equal-reward groups")
     save_every: int = Field(default=5, description="checkpoint every N steps")
@@ -139,7 +145,8 @@ async def attempt(
     """Play the two-turn flow of `code_tasks.run_episode` with the policy, at the token level:
     one sample holding both turns, the tool's answer between them untrained."""
     messages = code_tasks.conversation(problem)
-    transcript = Transcript(renderer.prompt(messages).to_ints())
+    prefix = renderer.tokenizer.encode(cfg.answer_prefix, add_special_tokens=False)
+    transcript = Transcript(renderer.prompt(messages).to_ints() + prefix)
 
     def params(stop: list[str] | None, turn: int) -> types.SamplingParams:
         turn_seed = None if seed is None else seed * 2 + turn
@@ -147,7 +154,7 @@ async def attempt(
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=stop, seed=turn_seed
         )
 
-    first = await transcript.sample_turn(sampler, params(first_turn_stop(renderer), 0))
+    first = prefix + await transcript.sample_turn(sampler, params(first_turn_stop(renderer), 0))
     answer = renderer.decode(first)
     call = code_tasks.tool_call(answer)
     if call is not None:
