@@ -5,6 +5,7 @@ middle of a loop costs the client latency, not errors."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from sqlalchemy import func, select
 
 from billing.tables import UsageEvent
 from core.db import Database
-from core.settings import Settings
+from core.settings import DEFAULT_MODELS, Settings
 from core.tables import ModelVersion, Operation, OpStatus, Session, TrainingRun, Worker
 from scheduler import workers
 from scheduler.ops import OpKind
@@ -30,8 +31,14 @@ from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import CLI, SECRET, Cluster, FailoverProxy, cluster
 from tests.scenarios import ADAM, BATCH, MODEL, scenario
 from tests.server import start_server
+from treadle_cookbook import checkpoints as recipe_checkpoints
+from treadle_cookbook import metrics as recipe_metrics
+from treadle_cookbook.recipes import math_grpo, sft_chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
+
+ARITH_MODEL = "cookbook/arith-1m"
+ARITH_FOLDER = Path(__file__).resolve().parents[1] / "cookbook" / "arith-1m"
 
 
 @pytest.fixture(scope="module", params=["shared-folder", "s3"])
@@ -60,6 +67,9 @@ def running(
             worker_lease_seconds="10",
             snapshot_every_steps="3",
             session_ttl_seconds="30",
+            # The cookbook test's math GRPO model, served by a worker it starts.
+            models=json.dumps([*DEFAULT_MODELS, ARITH_MODEL]),
+            model_folders=json.dumps({ARITH_MODEL: str(ARITH_FOLDER)}),
         ) as group,
     ):
         group.start_worker("w1")
@@ -529,3 +539,42 @@ def test_drained_worker_restarted_under_its_id_gets_its_run_back_without_replay(
         )
     assert f"restored {trainer.model_id} from a snapshot and replayed 0 ops" in group.log(name)
     service.close("success").result(timeout=60)
+
+
+@ONE_STORE
+def test_cookbook_recipes_run_unchanged_and_resume_across_replicas(
+    running: tuple[Cluster, Database, TenantFactory], tmp_path: Path
+) -> None:
+    """sft_chat and math_grpo, as they run on an embedded server, against the API replicas: the
+    SFT held-out loss falls over a run stopped at step 2 and continued through the other
+    replica from its checkpoint, and GRPO trains the arithmetic model (served by a worker given
+    its folder) on groups whose rewards differ."""
+    group, database, make_tenant = running
+    _live_workers(group, database, 1)
+    group.start_worker("arith", ARITH_MODEL)
+    key = make_tenant().key
+    sft_dir = tmp_path / "sft"
+    sft = ["--api_key", key, "--log_dir", str(sft_dir), "--lora_rank", "8", "--eval_every", "2"]
+    sft_chat.main([*sft, "--base_url", group.api_urls["a1"], "--steps", "2"])
+    sft_chat.main([*sft, "--base_url", group.api_urls["a2"], "--steps", "4"])
+    assert [c["step"] for c in recipe_checkpoints.read(sft_dir)] == [2, 4]
+    rows = recipe_metrics.read(sft_dir)
+    assert [r["step"] for r in rows if "train_loss" in r] == [1, 2, 3, 4]
+    held_out = [(r["step"], r["held_out_loss"]) for r in rows if "held_out_loss" in r]
+    assert [step for step, _ in held_out] == [0, 2, 4] and held_out[-1][1] < held_out[0][1]
+
+    _wait_for(database, "arith", lambda w: w.status == "live", seconds=120)
+    grpo_dir = tmp_path / "grpo"
+    math_grpo.main(
+        [
+            "--base_url", group.api_urls["a2"], "--api_key", key, "--model", ARITH_MODEL,
+            "--log_dir", str(grpo_dir), "--steps", "3", "--groups_per_step", "4",
+            "--group_size", "4", "--eval_problems", "20", "--lora_rank", "8",
+        ]
+    )  # fmt: skip
+    rows = recipe_metrics.read(grpo_dir)
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert any(r.get("advantage_abs_mean", 0.0) > 0 for r in steps), steps
+    assert [r["step"] for r in rows if "held_out_accuracy" in r] == [0, 3]
+    assert recipe_checkpoints.read(grpo_dir)[-1]["step"] == 3
