@@ -136,6 +136,9 @@ def test_recipe_trains_on_differing_rewards_and_resumes_after_a_kill(
         assert row["datums"] == 4 * varied_groups and row["advantage_abs_mean"] > 0.5
         assert row["grad_norm"] > 0 and row["staleness_max"] <= 3
         assert row["code_block_rate"] > 0  # without a block every reward is -0.1
+        # The trainer's logprobs of the sampled tokens are the sampler's: each datum is the
+        # sequence that was sampled (prefix and any tool message untrained), not re-rendered.
+        assert abs(row["kl_sampler_trainer"]) < 0.05
     assert checkpoints.read(log_dir)[-1]["step"] == STEPS
     config = json.loads((log_dir / "config.json").read_text())
     assert config["loss_fn"] == "cispo" and "api_key" not in config
