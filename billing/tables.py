@@ -100,8 +100,18 @@ class UsageRollup(Base):
             "tenant_id", "hour", "api_key_id", "session_id", "base_model", "kind", "price_id"
         ),
         Index("ix_usage_rollups_session_id", "session_id"),
-        # The admin dashboard's date ranges across tenants.
-        Index("ix_usage_rollups_hour", "hour"),
+        # The admin dashboard's hour ranges across tenants: its groupings and sums are in the
+        # index, so SQLite reads a range without a lookup per row.
+        Index(
+            "ix_usage_rollups_hour_sums",
+            "hour",
+            "tenant_id",
+            "api_key_id",
+            "base_model",
+            "kind",
+            "quantity",
+            "amount_micros",
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)

@@ -1,6 +1,8 @@
 """Daily usage per tenant, API key, base model and kind: the hourly rollups summed over
 sessions and price versions, so the admin dashboard reads a day range of every tenant without
 summing a row per hour, session and price. Filled from the hourly rollups already recorded.
+The hourly rollups' index by hour also holds the dashboard's groupings and sums, so an hour
+range is read from the index alone.
 
 Revision ID: 0009
 Revises: 0008
@@ -54,6 +56,12 @@ def upgrade() -> None:
             name=op.f("uq_usage_daily_day_tenant_id_api_key_id_base_model_kind"),
         ),
     )
+    op.drop_index("ix_usage_rollups_hour", table_name="usage_rollups")
+    op.create_index(
+        "ix_usage_rollups_hour_sums",
+        "usage_rollups",
+        ["hour", "tenant_id", "api_key_id", "base_model", "kind", "quantity", "amount_micros"],
+    )
     day = _DAY[op.get_bind().dialect.name]
     op.execute(
         "INSERT INTO usage_daily (tenant_id, day, api_key_id, base_model, kind, events, "
@@ -66,3 +74,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("usage_daily")
+    op.drop_index("ix_usage_rollups_hour_sums", table_name="usage_rollups")
+    op.create_index("ix_usage_rollups_hour", "usage_rollups", ["hour"])

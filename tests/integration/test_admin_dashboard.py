@@ -141,12 +141,14 @@ def test_usage_sums_the_rollups_per_bucket_and_group(dashboard: Dashboard) -> No
         ("2026-03-10", "globex", "10", "10"),
     ]
 
+    # Hours span at most a week, the default range.
+    week = {"start": "2026-03-04", "end": "2026-03-11", "bucket": "hour"}
+    assert d.client.get("/admin/api/usage", params=week, headers=headers).status_code == 200
     too_long = d.client.get(
-        "/admin/api/usage",
-        params={"start": "2026-01-01", "end": "2026-03-01", "bucket": "hour"},
-        headers=headers,
+        "/admin/api/usage", params=week | {"start": "2026-03-03T23:00:00"}, headers=headers
     )
-    assert too_long.status_code == 422 and "use day buckets" in too_long.json()["detail"]
+    assert too_long.status_code == 422
+    assert "narrow the range to 7 days or use day buckets" in too_long.json()["detail"]
     bad = d.client.get("/admin/api/usage", params={"start": "yesterday"}, headers=headers)
     assert bad.status_code == 422 and "2026-01-31" in bad.json()["detail"]
 
