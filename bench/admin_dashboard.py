@@ -6,10 +6,12 @@ tenants, an API key each, a price per usage kind and `--events` priced usage eve
 over the last `--days` days, bulk-inserted straight into the ledger; the hourly rollups and
 the spend counters are then rebuilt from it by billing's own repair jobs
 (`recompute_rollups`, `recompute_spend`), so they hold what recording each event would have
-written. A real server (uvicorn, in a thread) then answers `--requests` requests per route,
-one at a time on a kept-alive connection: every dashboard page and JSON route, and
-`GET /api/v1/healthz` as the floor. Prints JSON: seeding sizes and times, and p50/p95 per route
-in milliseconds.
+written. Every tenant is linked to a Stripe customer, and `stripe_meter_pushes` holds one
+accepted part per priced cell of the rollups up to three hours before the last settled hour,
+as pushes that then stopped would have left it (the billing page has a lag to find). A real
+server (uvicorn, in a thread) then answers `--requests` requests per route, one at a time on a
+kept-alive connection: every dashboard page and JSON route, and `GET /api/v1/healthz` as the
+floor. Prints JSON: seeding sizes and times, and p50/p95 per route in milliseconds.
 
     python bench/admin_dashboard.py [--events 1000000] [--tenants 100] [--requests 30]
 """
@@ -33,7 +35,7 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, update
 
 from api.app import create_app
 from api.dbschema import upgrade
@@ -41,11 +43,14 @@ from billing.pricebook import set_price
 from billing.prices import Rate, cost_micros
 from billing.rollups import recompute_rollups
 from billing.spend import recompute_spend
-from billing.tables import UsageEvent, UsageRollup
+from billing.stripe_parts import Cell, push_identifier
+from billing.stripe_push import settled_before
+from billing.tables import StripeMeterPush, UsageEvent, UsageRollup
 from core import apikeys, tenants
 from core.clock import FakeClock
 from core.db import Database
 from core.settings import Settings
+from core.tables import Tenant
 
 MODELS = ("treadle/tiny-1m", "treadle/tiny-10m", "Qwen/Qwen3-8B")
 # Kind, relative frequency, typical quantity.
@@ -125,9 +130,46 @@ def seed(
         "events": n_events,
         "tenants": n_tenants,
         "rollup_rows": rollups,
+        "stripe_parts": seed_stripe(database, now, unpushed_hours=3),
         "insert_seconds": round(inserted - started, 1),
         "rollup_seconds": round(time.perf_counter() - inserted, 1),
     }
+
+
+def seed_stripe(database: Database, now: datetime, unpushed_hours: int) -> int:
+    """Link every tenant to a Stripe customer, and record one accepted part per priced cell of
+    the rollups before the last `unpushed_hours` settled hours; returns the parts recorded."""
+    pushed_before = settled_before(now, 600) - timedelta(hours=unpushed_hours)
+    cells = (UsageRollup.tenant_id, UsageRollup.kind, UsageRollup.hour, UsageRollup.price_id)
+    with database.transaction() as db:
+        for tenant_id in db.scalars(select(Tenant.id)).all():
+            db.execute(
+                update(Tenant)
+                .where(Tenant.id == tenant_id)
+                .values(stripe_customer_id=f"cus_{tenant_id}")
+            )
+        rows = [
+            {
+                "identifier": push_identifier(Cell(tenant_id, kind, hour, price_id), 0),
+                "tenant_id": tenant_id,
+                "stripe_customer_id": f"cus_{tenant_id}",
+                "kind": kind,
+                "hour": hour,
+                "price_id": price_id,
+                "part": 0,
+                "value_micros": int(total),
+                "intended_at": hour + timedelta(minutes=70),
+                "accepted_at": hour + timedelta(minutes=70),
+            }
+            for tenant_id, kind, hour, price_id, total in db.execute(
+                select(*cells, func.sum(UsageRollup.amount_micros))
+                .where(UsageRollup.price_id != 0, UsageRollup.hour < pushed_before)
+                .group_by(*cells)
+            )
+        ]
+        for start in range(0, len(rows), BATCH):
+            db.execute(insert(StripeMeterPush), rows[start : start + BATCH])
+    return len(rows)
 
 
 @contextlib.contextmanager
@@ -182,6 +224,8 @@ def routes(now: datetime, days: int) -> list[str]:
         "/admin/tenants",
         "/admin/live",
         "/admin/fleet",
+        "/admin/api/billing",
+        "/admin/billing",
     ]
 
 
