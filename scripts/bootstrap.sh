@@ -45,8 +45,8 @@ if [ "$(cat "$test_stamp" 2>/dev/null)" = "$test_want" ]; then
     exit 0
 fi
 # The cookbook's extras its tests use: torch for DPO and KTO, transformers for the arithmetic
-# model's script; the serve level's engine already brought both, so nothing heavy is added.
-pip install -q -e "./cookbook[preference,pretrain]" -e ".[worker,test]"
+# model's script (the serve level's engine already brought both), and the MLflow client.
+pip install -q -e "./cookbook[preference,pretrain,mlflow]" -e ".[worker,test]"
 # What tinker-cookbook's recipes import (the package itself goes in last, see below).
 pip install -q chz pillow datasets blobfile termcolor math-verify pylatexenc
 

@@ -53,7 +53,9 @@ class RecipeConfig(BaseModel):
         "checkpoint) instead of the base model; ignored once log_dir holds checkpoints",
     )
     mlflow_uri: str | None = Field(
-        default=None, description="MLflow tracking URI; metrics are logged there too when set"
+        default=None,
+        description="MLflow tracking URI (a server, or sqlite:///mlflow.db for a local file); "
+        "metrics are logged there too when set",
     )
 
     @classmethod
