@@ -3,8 +3,8 @@ the same run.
 
 Seeds a fresh database (SQLite unless --database-url names a PostgreSQL one) with `--tenants`
 tenants, an API key each, a price per usage kind and `--events` priced usage events spread
-over the last `--days` days, bulk-inserted straight into the ledger; the hourly rollups and
-the spend counters are then rebuilt from it by billing's own repair jobs
+over the last `--days` days, bulk-inserted straight into the ledger; the hourly and daily
+rollups and the spend counters are then rebuilt from it by billing's own repair jobs
 (`recompute_rollups`, `recompute_spend`), so they hold what recording each event would have
 written. Every tenant is linked to a Stripe customer, and `stripe_meter_pushes` holds one
 accepted part per priced cell of the rollups up to three hours before the last settled hour,
@@ -45,7 +45,7 @@ from billing.rollups import recompute_rollups
 from billing.spend import recompute_spend
 from billing.stripe_parts import Cell, push_identifier
 from billing.stripe_push import settled_before
-from billing.tables import StripeMeterPush, UsageEvent, UsageRollup
+from billing.tables import DailyUsage, StripeMeterPush, UsageEvent, UsageRollup
 from core import apikeys, tenants
 from core.clock import FakeClock
 from core.db import Database
@@ -125,11 +125,13 @@ def seed(
         recompute_rollups(db)
         recompute_spend(db)
         rollups = db.scalar(select(func.count()).select_from(UsageRollup))
+        daily_rollups = db.scalar(select(func.count()).select_from(DailyUsage))
     return {
         "admin_key": admin_key,
         "events": n_events,
         "tenants": n_tenants,
         "rollup_rows": rollups,
+        "daily_rollup_rows": daily_rollups,
         "stripe_parts": seed_stripe(database, now, unpushed_hours=3),
         "insert_seconds": round(inserted - started, 1),
         "rollup_seconds": round(time.perf_counter() - inserted, 1),
@@ -209,6 +211,9 @@ def timed(client: httpx.Client, path: str, n: int) -> dict[str, float]:
 def routes(now: datetime, days: int) -> list[str]:
     week = f"start={(now - timedelta(days=6)).date()}&end={(now + timedelta(days=1)).date()}"
     span = f"start={(now - timedelta(days=days)).date()}&end={(now + timedelta(days=1)).date()}"
+    # A week cut mid-day at both ends: its first and last days are read hour by hour.
+    noon = (now - timedelta(days=7)).replace(hour=12, minute=0, second=0, microsecond=0)
+    cut = f"start={noon:%Y-%m-%dT%H:%M}&end={noon + timedelta(days=7):%Y-%m-%dT%H:%M}"
     return [
         "/api/v1/healthz",
         "/admin/usage",
@@ -216,6 +221,7 @@ def routes(now: datetime, days: int) -> list[str]:
         f"/admin/api/usage?{week}&bucket=hour&group=tenant",
         f"/admin/api/usage?{week}&bucket=day&group=key",
         f"/admin/api/usage?{week}&bucket=day&group=model",
+        f"/admin/api/usage?{cut}&bucket=day&group=tenant",
         f"/admin/api/usage?{span}&bucket=day&group=tenant",
         f"/admin/api/usage.csv?{span}&bucket=day&group=kind",
         "/admin/api/tenants",
