@@ -31,6 +31,9 @@ class Cluster:
     api_urls: dict[str, str] = dataclasses.field(default_factory=dict)
     workers: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
     beat: subprocess.Popen[bytes] | None = None
+    # What each process was given beyond the cluster's environment, by name: a test reads its
+    # metrics port or liveness file there, and starts it again the same way.
+    extra_env: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # Each process keeps its own data folder (as on separate machines) instead of sharing one.
     private_data: bool = False
 
@@ -39,6 +42,7 @@ class Cluster:
     ) -> subprocess.Popen[bytes]:
         """`treadle-server *args`, logging to `<name>.log`, with `env` added to the cluster's."""
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (kept open for the process)
+        self.extra_env[name] = dict(env or {})
         env = {**self.env, **(env or {})}
         if self.private_data:
             env = {**env, "TREADLE_DATA_DIR": str(self.root / f"data-{name}")}
@@ -54,14 +58,16 @@ class Cluster:
         self.api_urls[name] = url
         return url
 
-    def start_worker(self, name: str, *models: str) -> None:
+    def start_worker(self, name: str, *models: str, env: dict[str, str] | None = None) -> None:
+        """`env` is added to the cluster's for this worker alone (its metrics port, its
+        liveness file)."""
         args = ["worker", "--device", "cpu", "--worker-id", name]
         for model in models or ("treadle/tiny-1m",):
             args += ["--models", model]
-        self.workers[name] = self.spawn(name, *args)
+        self.workers[name] = self.spawn(name, *args, env=env)
 
-    def start_beat(self) -> None:
-        self.beat = self.spawn("beat", "beat")
+    def start_beat(self, env: dict[str, str] | None = None) -> None:
+        self.beat = self.spawn("beat", "beat", env=env)
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)

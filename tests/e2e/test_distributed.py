@@ -1,15 +1,18 @@
 """Distributed mode with real processes: two API replicas, two CPU workers and beat, on
-PostgreSQL and Redis. The tinker SDK's results equal embedded mode's, and a worker killed in the
-middle of a loop costs the client latency, not errors."""
+PostgreSQL and Redis. The tinker and treadle SDKs' results equal embedded mode's, a worker
+killed in the middle of a loop costs the client latency, not errors, each process serves its
+own metrics and keeps its liveness file fresh."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +24,7 @@ import pytest
 import tinker
 from sqlalchemy import func, select
 
+import treadle
 from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import DEFAULT_MODELS, Settings
@@ -29,8 +33,11 @@ from scheduler import workers
 from scheduler.ops import OpKind
 from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import CLI, SECRET, Cluster, FailoverProxy, cluster
+from tests.e2e.treadle_data import sft_datum
 from tests.scenarios import ADAM, BATCH, MODEL, scenario
+from tests.scrape import Samples, by, delta, eventually, reachable, scrape
 from tests.server import start_server
+from tests.services import free_port
 from treadle_cookbook import checkpoints as recipe_checkpoints
 from treadle_cookbook import metrics as recipe_metrics
 from treadle_cookbook.recipes import math_grpo, sft_chat
@@ -39,6 +46,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
 
 ARITH_MODEL = "cookbook/arith-1m"
 ARITH_FOLDER = Path(__file__).resolve().parents[1] / "cookbook" / "arith-1m"
+METRICS_TOKEN = "metrics-token-0123456789"
 
 
 @pytest.fixture(scope="module", params=["shared-folder", "s3"])
@@ -64,6 +72,7 @@ def running(
             db_url,
             redis_url,
             s3=s3,
+            metrics_token=METRICS_TOKEN,
             worker_lease_seconds="10",
             snapshot_every_steps="3",
             session_ttl_seconds="30",
@@ -72,33 +81,225 @@ def running(
             model_folders=json.dumps({ARITH_MODEL: str(ARITH_FOLDER)}),
         ) as group,
     ):
-        group.start_worker("w1")
-        group.start_worker("w2")
+        group.start_worker("w1", env=_observed(root, "w1"))
+        group.start_worker("w2", env=_observed(root, "w2"))
         group.start_api("a1")
         group.start_api("a2")
-        group.start_beat()
+        group.start_beat(env=_observed(root, "beat"))
         database = Database(db_url)
         settings = Settings(database_url=db_url, server_secret=SECRET)
         yield group, database, tenant_factory(database, settings)
+
+
+def _observed(root: Path, name: str) -> dict[str, str]:
+    """A worker's or beat's own metrics port and liveness file, which the tests below read."""
+    return {
+        "TREADLE_METRICS_PORT": str(free_port()),
+        "TREADLE_LIVENESS_FILE": str(root / "run" / f"{name}-alive"),
+    }
+
+
+def _metrics_url(group: Cluster, name: str) -> str:
+    return f"http://127.0.0.1:{group.extra_env[name]['TREADLE_METRICS_PORT']}/metrics"
+
+
+def _liveness_file(group: Cluster, name: str) -> Path:
+    return Path(group.extra_env[name]["TREADLE_LIVENESS_FILE"])
 
 
 ONE_STORE = pytest.mark.parametrize("running", ["shared-folder"], indirect=True)
 """For a test that never reads an artifact back: the cluster with the shared folder is enough."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Embedded:
+    """The losses of each scenario on an embedded server, which the cluster's must equal."""
+
+    tinker: dict[int, list[float]]  # `tests.scenarios.scenario`'s, by number of steps
+    treadle: list[float]  # `_treadle_scenario`'s
+
+
 @pytest.fixture(scope="module")
-def embedded_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[float]]:
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Embedded:
     server = start_server(tmp_path_factory.mktemp("embedded"))
     live = next(server)
     try:
-        return {steps: scenario(live.base_url, live.make_tenant().key, steps) for steps in (3, 8)}
+        return Embedded(
+            tinker={
+                steps: scenario(live.base_url, live.make_tenant().key, steps) for steps in (3, 8)
+            },
+            treadle=_treadle_scenario(live.base_url, live.make_tenant().key),
+        )
     finally:
         server.close()
 
 
+def _treadle_scenario(base_url: str, key: str) -> list[float]:
+    """The treadle SDK's loop: train, save the state and resume from it with its optimizer,
+    then save for sampling and sample."""
+    batch = [sft_datum(i, length=16) for i in range(3)]
+    with treadle.ServiceClient(base_url=base_url, api_key=key) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, seed=11)
+        losses = []
+        for _ in range(3):
+            fwd = trainer.forward_backward(batch, "cross_entropy")
+            trainer.optim_step(treadle.types.AdamParams(learning_rate=5e-3))
+            losses.append(fwd.result(timeout=300).metrics["loss:sum"])
+        path = trainer.save_state("done").result(timeout=300).path
+        resumed = service.create_training_client_from_state_with_optimizer(path)
+        losses.append(resumed.forward(batch).result(timeout=300).metrics["loss:sum"])
+        sampler = trainer.save_weights_and_get_sampling_client().result(timeout=300)
+        prompt = treadle.types.ModelInput.from_ints([15, 16, 17])
+        params = treadle.types.SamplingParams(max_tokens=4, seed=3)
+        assert len(sampler.sample(prompt, 2, params).result(timeout=300).sequences) == 2
+    return losses
+
+
+def _grown(
+    before: list[Samples], after: list[Samples], name: str, *labels: str
+) -> dict[tuple[str, ...], int]:
+    """What grew between two scrapes of each of several processes, summed over them."""
+    total: Counter[tuple[str, ...]] = Counter()
+    for earlier, later in zip(before, after, strict=True):
+        total.update(delta(earlier, later, name, *labels))
+    return {key: value for key, value in total.items() if value}
+
+
+# The first tests on the shared-folder cluster (pytest keeps the module's order among the tests
+# of one cluster) see it as started: both workers and beat alive, no run placed, none moved.
+
+
+@ONE_STORE
+def test_each_process_serves_its_own_metrics(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    """The API replica counts what it submitted behind its token and exports no fleet gauges,
+    the worker processes count on their metrics ports the ops their hosts recorded, and beat
+    serves the fleet's gauges on its own. The counters are compared before and after this
+    test's loop, summed over both workers (the run may land on either); the gauges are exact,
+    the test running first on its cluster."""
+    group, database, make_tenant = running
+    worker_urls = [_metrics_url(group, name) for name in ("w1", "w2")]
+    beat_url = _metrics_url(group, "beat")
+    api = group.api_urls["a1"]
+    token = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    eventually(lambda: all(reachable(url) for url in [*worker_urls, beat_url]), seconds=180)
+    for name in ("w1", "w2"):
+        _wait_for(database, name, lambda w: w.status == "live", seconds=180)
+    workers_before = [scrape(url) for url in worker_urls]
+    served_before = scrape(f"{api}/metrics", token)
+    tenant = make_tenant()
+
+    with treadle.ServiceClient(base_url=api, api_key=tenant.key) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, seed=1)
+        batch = [sft_datum(i, length=8 + i) for i in range(2)]
+        trainer.forward_backward(batch, "cross_entropy").result()
+        trainer.optim_step(treadle.types.AdamParams(learning_rate=1e-3)).result()
+
+        def recorded() -> bool:
+            after = [scrape(url) for url in worker_urls]
+            finished = _grown(
+                workers_before, after, "treadle_ops_finished_total", "kind", "outcome"
+            )
+            return finished.get(("optim_step", "done")) == 1
+
+        eventually(recorded)
+        workers = [scrape(url) for url in worker_urls]
+        beat = scrape(beat_url)
+        served = scrape(f"{api}/metrics", token)
+    with database.reader() as db:
+        trained = db.scalar(
+            select(func.sum(UsageEvent.quantity)).where(
+                UsageEvent.tenant_id == tenant.tenant_id, UsageEvent.kind == "training"
+            )
+        )
+
+    assert _grown(workers_before, workers, "treadle_ops_finished_total", "kind", "outcome") == {
+        ("create_model", "done"): 1,
+        ("forward_backward", "done"): 1,
+        ("optim_step", "done"): 1,
+    }
+    assert _grown(workers_before, workers, "treadle_tokens_total", "kind") == {
+        ("training",): trained
+    }
+    assert delta(served_before, served, "treadle_ops_submitted_total", "kind") == {
+        ("create_model",): 1,
+        ("forward_backward",): 1,
+        ("optim_step",): 1,
+    }
+    # The fleet's gauges come from beat alone.
+    assert not by(served, "treadle_fleet_up")
+    assert not any(by(worker, "treadle_fleet_up") for worker in workers)
+    assert by(beat, "treadle_fleet_up") == {(): 1}
+    assert by(beat, "treadle_workers", "status")[("live",)] == 2
+    assert by(beat, "treadle_live_training_runs") == {(): 1}
+    assert set(by(beat, "treadle_worker_lease_expires_in_seconds", "worker")) == {
+        ("w1",),
+        ("w2",),
+    }
+    assert by(beat, "treadle_worker_failovers_total")[()] == 0
+
+
+def _probe(alive: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CLI, "probe", "--file", str(alive), "--max-age", "30"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _wait_until_probe_passes(group: Cluster, name: str) -> None:
+    alive = _liveness_file(group, name)
+    deadline = time.monotonic() + 180
+    while _probe(alive).returncode != 0:
+        assert time.monotonic() < deadline, f"{name} never touched {alive}:\n{group.log(name)}"
+        time.sleep(0.5)
+
+
+def _backdate(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+@ONE_STORE
+def test_workers_and_beat_keep_their_liveness_files_fresh_until_they_stop(
+    running: tuple[Cluster, Database, TenantFactory],
+) -> None:
+    """Liveness as the compose healthchecks and the chart's exec probes see it: a worker and
+    beat each keep their TREADLE_LIVENESS_FILE fresh while they run, `treadle-server probe`
+    passes on both, and once beat is killed its file goes stale and the probe says so while the
+    worker's is renewed. Beat is started again for the later tests."""
+    group, _, _ = running
+    beat_alive, worker_alive = _liveness_file(group, "beat"), _liveness_file(group, "w1")
+    _wait_until_probe_passes(group, "beat")
+    _wait_until_probe_passes(group, "w1")
+
+    assert group.beat is not None
+    group.kill(group.beat)
+    _backdate(beat_alive, 120)
+    _backdate(worker_alive, 120)
+    # The worker renews its lease every few seconds and touches its file again; beat is gone.
+    _wait_until_probe_passes(group, "w1")
+    stale = _probe(beat_alive)
+    assert stale.returncode == 1
+    assert stale.stderr.startswith(f"not alive: {beat_alive} was last touched")
+    group.start_beat(env=group.extra_env["beat"])
+    _wait_until_probe_passes(group, "beat")
+
+
+@ONE_STORE
+def test_treadle_sdk_results_equal_embedded_mode(
+    running: tuple[Cluster, Database, TenantFactory], embedded: Embedded
+) -> None:
+    group, _, make_tenant = running
+    actual = _treadle_scenario(group.api_urls["a1"], make_tenant().key)
+    assert actual == pytest.approx(embedded.treadle, rel=1e-5)
+
+
 def test_results_equal_embedded_mode(
     running: tuple[Cluster, Database, TenantFactory],
-    embedded_losses: dict[int, list[float]],
+    embedded: Embedded,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -106,8 +307,8 @@ def test_results_equal_embedded_mode(
     key = make_tenant().key
     first = scenario(group.api_urls["a1"], key, 3)
     second = scenario(group.api_urls["a2"], key, 3)
-    assert first == pytest.approx(embedded_losses[3], rel=1e-5)
-    assert second == pytest.approx(embedded_losses[3], rel=1e-5)
+    assert first == pytest.approx(embedded.tinker[3], rel=1e-5)
+    assert second == pytest.approx(embedded.tinker[3], rel=1e-5)
 
 
 @ONE_STORE
@@ -272,7 +473,7 @@ def test_live_sampling_runs_on_the_runs_worker_and_follows_it_when_that_worker_d
 
 
 def test_killed_worker_costs_latency_not_errors(
-    running: tuple[Cluster, Database, TenantFactory], embedded_losses: dict[int, list[float]]
+    running: tuple[Cluster, Database, TenantFactory], embedded: Embedded
 ) -> None:
     group, database, make_tenant = running
     tenant = make_tenant()
@@ -293,7 +494,7 @@ def test_killed_worker_costs_latency_not_errors(
         victim.update(run=run_id, worker=holder)
 
     losses = scenario(group.api_urls["a1"], tenant.key, 8, on_step=kill_holder)
-    assert losses == pytest.approx(embedded_losses[8], rel=1e-4)
+    assert losses == pytest.approx(embedded.tinker[8], rel=1e-4)
     with database.reader() as db:
         per_op_kind = db.execute(
             select(UsageEvent.operation_id, UsageEvent.kind, func.count())
@@ -444,7 +645,7 @@ def _live_workers(group: Cluster, database: Database, count: int, model: str = M
 
 @ONE_STORE
 def test_stopped_worker_hands_its_run_over_at_once(
-    running: tuple[Cluster, Database, TenantFactory], embedded_losses: dict[int, list[float]]
+    running: tuple[Cluster, Database, TenantFactory], embedded: Embedded
 ) -> None:
     """SIGTERM on the worker holding a run in the middle of a tinker loop: the worker saves the
     run and hands it to the other worker as it exits, so the loop pauses for a restore, not for
@@ -466,7 +667,7 @@ def test_stopped_worker_hands_its_run_over_at_once(
         stopped.update(run=run_id, worker=holder)
 
     losses = scenario(group.api_urls["a1"], tenant.key, 8, on_step=stop_holder)
-    assert losses == pytest.approx(embedded_losses[8], rel=1e-4)
+    assert losses == pytest.approx(embedded.tinker[8], rel=1e-4)
     assert group.workers[stopped["worker"]].wait(timeout=60) == 0
     with database.reader() as db:
         left = db.get(Worker, stopped["worker"])

@@ -29,8 +29,6 @@ from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 import treadle
-from core.db import Database
-from core.settings import Settings
 from core.tables import Operation
 from tests.builders import tenant_factory
 from tests.e2e.treadle_data import MODEL, sft_datum
@@ -509,46 +507,3 @@ def test_sampling_client_works_in_a_worker_process(service: treadle.ServiceClien
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         remote = pool.submit(sample_tokens, sampler, [3, 4, 5], 17).result(timeout=300)
     assert remote == sample_tokens(sampler, [3, 4, 5], 17)
-
-
-def _distributed_scenario(base_url: str, key: str) -> list[float]:
-    batch = [sft_datum(i, length=16) for i in range(3)]
-    with treadle.ServiceClient(base_url=base_url, api_key=key) as service:
-        trainer = service.create_lora_training_client(MODEL, rank=4, seed=11)
-        losses = []
-        for _ in range(3):
-            fwd = trainer.forward_backward(batch, "cross_entropy")
-            trainer.optim_step(types.AdamParams(learning_rate=5e-3))
-            losses.append(fwd.result(timeout=300).metrics["loss:sum"])
-        path = trainer.save_state("done").result(timeout=300).path
-        resumed = service.create_training_client_from_state_with_optimizer(path)
-        losses.append(resumed.forward(batch).result(timeout=300).metrics["loss:sum"])
-        sampler = trainer.save_weights_and_get_sampling_client().result(timeout=300)
-        prompt = types.ModelInput.from_ints([15, 16, 17])
-        params = types.SamplingParams(max_tokens=4, seed=3)
-        assert len(sampler.sample(prompt, 2, params).result(timeout=300).sequences) == 2
-    return losses
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_distributed_mode_equals_embedded(
-    tmp_path: Path, live_server: LiveServer, postgres_admin_url: str, redis_url: str
-) -> None:
-    """The same treadle loop on API + worker + beat processes (PostgreSQL, Redis)."""
-    from tests.cluster import SECRET, cluster
-    from tests.services import throwaway_database
-
-    expected = _distributed_scenario(live_server.base_url, live_server.make_tenant().key)
-    (tmp_path / "cluster").mkdir()
-    with (
-        throwaway_database(postgres_admin_url) as db_url,
-        cluster(tmp_path / "cluster", db_url, redis_url) as group,
-    ):
-        group.start_worker("w1")
-        group.start_api("a1")
-        group.start_beat()
-        database = Database(db_url)
-        key = tenant_factory(database, Settings(database_url=db_url, server_secret=SECRET))().key
-        actual = _distributed_scenario(group.api_urls["a1"], key)
-    assert actual == pytest.approx(expected, rel=1e-5)
