@@ -29,9 +29,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "cookbook/arith-1m"
 MODEL_FOLDER = Path(__file__).resolve().parent / "arith-1m"
 REPO = Path(__file__).resolve().parents[2]
-EVAL_PROBLEMS = 300
-MARGIN = 0.06
-"""The least rise in held-out exact match the GRPO test accepts (see the test)."""
+EVAL_PROBLEMS = 200
+MARGIN = 0.025
+"""The least rise in held-out exact match the GRPO test accepts: half the least of ten seeds'
+measured rises (see the test)."""
 
 
 @pytest.fixture(scope="module")
@@ -68,30 +69,36 @@ def test_the_server_serves_the_character_tokenizer(server: LiveServer, api_key: 
 
 
 def test_grpo_raises_held_out_accuracy(server: LiveServer, api_key: str, tmp_path: Path) -> None:
+    """Eight steps of 32 problems at a constant 5e-4 (the recipe's other defaults) raise
+    held-out accuracy.
+
+    Greedy decoding of fixed problems is deterministic: without training, `after` equals
+    `before` exactly. This run (seed 0) and seeds 1 to 9, measured on 200 held-out problems
+    from 35.5 %, rose by 7.5, 11.5, 6.0, 9.5, 13.5, 5.5, 8.0, 5.0, 5.5 and 7.5 points (mean
+    8.0): MARGIN, 2.5 points (5 more problems turned right than wrong), is half the least of
+    them. An update unrelated to the reward turns answers either way alike.
+    """
     args = recipe_args(
         server,
         api_key,
         tmp_path,
-        "--steps=12",
+        "--steps=8",
         "--groups_per_step=32",
         "--eval_every=100",
         f"--eval_problems={EVAL_PROBLEMS}",
-        "--learning_rate=5e-4",
-        "--sub_batches=2",
         "--save_every=100",
+        # A constant rate: the default decays to 0 over the run, here 8 steps.
+        "--learning_rate=5e-4",
+        "--schedule.kind=constant",
     )
     math_grpo.main(args)
     evals = [r for r in metrics.read(tmp_path) if "held_out_accuracy" in r]
-    assert [r["step"] for r in evals] == [0, 12]
+    assert [r["step"] for r in evals] == [0, 8]
     before, after = evals[0]["held_out_accuracy"], evals[-1]["held_out_accuracy"]
-    # Greedy decoding of fixed problems is deterministic: without training, `after` equals
-    # `before` exactly. The run's own chance (sampling seeds and the adapter's seed are fixed)
-    # is what is left. MARGIN is 18 more of the 300 problems turned right than turned wrong;
-    # an update unrelated to the reward turns answers either way alike, and this run
-    # measured 38.0 % -> 49.0 % (+33 problems), the acceptance run +7 points in 10 steps.
     assert after - before >= MARGIN, (before, after)
     assert (tmp_path / "accuracy.png").exists() and (tmp_path / "reward.png").exists()
     rows = [r for r in metrics.read(tmp_path) if "reward" in r]
+    # The first minibatch of a step is trained by the weights that sampled it.
     assert all(abs(r.get("kl_sampler_trainer", 0.0)) < 0.05 for r in rows), rows
 
 

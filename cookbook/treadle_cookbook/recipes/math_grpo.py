@@ -10,20 +10,26 @@ completion scored the same, and trains a LoRA adapter on the rest with a policy 
 (`importance_sampling`, `ppo` or `cispo`): the groups split into `minibatches`, each trained
 by `sub_batches` forward_backward calls and one optim_step, so one sampled batch makes
 `minibatches` updates (the later ones off-policy by the earlier ones' updates, which the
-clipped losses bound). A step that trained nothing saves no new sampler weights. In `sync`
-mode a step samples with the weights it is about to train; in `overlapped` mode sampling for
-the next step runs while this one trains (groups more than `max_staleness` steps old are
-dropped). Greedy accuracy on the task's held-out problems is
-measured at the start, every `eval_every` steps and at the end.
+clipped losses bound). The learning rate decays linearly from `learning_rate` to 0 over the
+run (`--schedule.kind constant` keeps it). A step that trained nothing saves no new sampler
+weights. In `sync` mode a step samples with the weights it is about to train; in `overlapped`
+mode sampling for the next step runs while this one trains (groups more than `max_staleness`
+steps old are dropped). Greedy accuracy on the task's held-out problems is measured at the
+start, every `eval_every` steps and at the end.
+
+The defaults (128 problems × 8 completions a step, 8 `ppo` updates of 16 problems each, peak
+rate 1e-3) raised the arithmetic model's held-out exact match from 39.7 % to 63.4 % in 50
+steps, where 32 problems and one update a step raised it by 15 points: cookbook/README.md
+gives the runs.
 
 The default task is 3-digit addition (`treadle_cookbook.arith`), whose served model comes
 from the script above. `--task gsm8k --gsm8k_path FILE` trains on GSM8K-format problems
 instead (the last 10 % of the file held out), for a model that can read them.
 
 Writes config.json, metrics.jsonl (per step: reward, accuracy of the samples,
-kl_sampler_trainer of the first minibatch and kl_last_minibatch, frac_constant_dropped,
-stale_dropped, staleness; per evaluation: held_out_accuracy), checkpoints.jsonl, reward.png
-and accuracy.png to `log_dir`. Interrupted, the same command continues from the latest
+kl_sampler_trainer of the first minibatch and kl_last_minibatch, learning_rate,
+frac_constant_dropped, stale_dropped, staleness; per evaluation: held_out_accuracy),
+checkpoints.jsonl, reward.png and accuracy.png to `log_dir`. Interrupted, the same command continues from the latest
 checkpoint.
 """
 
@@ -54,26 +60,28 @@ from treadle_cookbook.rl.rollouts import (
     greedy_accuracy,
 )
 from treadle_cookbook.rl.train import split, train_step
+from treadle_cookbook.schedules import Schedule
 
 
 class Config(RecipeConfig):
     model: str = Field(default="cookbook/arith-1m", description="the served base model")
     task: Literal["arith", "gsm8k"] = Field(default="arith", description="the problems")
     gsm8k_path: Path | None = Field(default=None, description="GSM8K-format JSONL (task gsm8k)")
-    steps: int = Field(default=50, description="optimizer steps in all (a resumed run included)")
-    groups_per_step: int = Field(default=32, description="problems sampled per step")
+    steps: int = Field(default=50, description="sampled batches in all (a resumed run included)")
+    groups_per_step: int = Field(default=128, description="problems sampled per step")
     group_size: int = Field(default=8, description="completions sampled per problem")
-    learning_rate: float = Field(default=2e-4, description="AdamW learning rate (constant)")
-    loss_fn: PolicyLoss = Field(default="importance_sampling", description="the policy loss")
-    sub_batches: int = Field(default=1, description="forward_backward calls per optim_step")
-    minibatches: int = Field(
-        default=1, description="optim_steps per sampled batch, each on its share"
+    learning_rate: float = Field(default=1e-3, description="AdamW peak learning rate")
+    schedule: Schedule = Field(
+        default_factory=lambda: Schedule(kind="linear"), description="learning-rate schedule"
     )
+    loss_fn: PolicyLoss = Field(default="ppo", description="the policy loss")
+    sub_batches: int = Field(default=1, description="forward_backward calls per optim_step")
+    minibatches: int = Field(default=8, description="optim_steps per sampled batch")
     mode: Literal["sync", "overlapped"] = Field(default="sync", description="rollout scheduling")
     max_staleness: int = Field(default=3, description="overlapped: oldest weights kept, in steps")
     temperature: float = Field(default=1.0, description="sampling temperature of rollouts")
     max_tokens: int | None = Field(default=None, description="completion length (task default)")
-    eval_every: int = Field(default=25, description="held-out evaluation every N steps")
+    eval_every: int = Field(default=10, description="held-out evaluation every N steps")
     eval_problems: int = Field(default=arith.HELD_OUT_SIZE, description="held-out problems used")
     save_every: int = Field(default=10, description="checkpoint every N steps")
 
@@ -132,7 +140,6 @@ async def run(cfg: Config) -> None:
     service = ServiceClient(base_url=cfg.base_url, api_key=cfg.api_key)
     training, start = checkpoints.resume(service, cfg.log_dir, cfg)
     problems, held_out, spec = load_task(cfg, training.get_tokenizer(), start)
-    adam = types.AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=1.0)
 
     sampler = await training.save_weights_and_get_sampling_client_async()
     if cfg.mode == "sync":
@@ -165,7 +172,10 @@ async def run(cfg: Config) -> None:
                 "staleness_max": float(max(batch.staleness)),
             }
             if groups:  # every group constant: nothing to learn from, the weights stay
+                learning_rate = cfg.schedule.learning_rate(cfg.learning_rate, step, cfg.steps)
+                adam = types.AdamParams(learning_rate=learning_rate, grad_clip_norm=1.0)
                 metrics |= await train_minibatches(training, groups, cfg, adam)
+                metrics["learning_rate"] = learning_rate
                 sampler = await training.save_weights_and_get_sampling_client_async()
             rollouts.publish(sampler, step + 1)
             metrics["step_seconds"] = time.monotonic() - started
