@@ -18,6 +18,7 @@ import torch
 from treadle import types
 from treadle.futures import APIFuture
 from treadle_cookbook import arith
+from treadle_cookbook.recipes import math_grpo
 from treadle_cookbook.rl.datums import datum, group_data, sampler_trainer_kl
 from treadle_cookbook.rl.groups import Group, Sample, advantages, drop_constant, drop_stale
 from treadle_cookbook.rl.rollouts import (
@@ -163,6 +164,21 @@ def test_train_step_sends_every_sub_batch_before_one_optim_step() -> None:
     )
     # The trainer's logprobs are 0.1 above the sampler's on every sampled token.
     assert metrics["kl_sampler_trainer"] == pytest.approx(-0.1, abs=1e-6)
+
+
+def test_math_grpo_trains_a_batch_in_one_optim_step_per_minibatch() -> None:
+    groups = [Group([sample(1.0), sample(0.0)], 0) for _ in range(5)]
+    cfg = math_grpo.Config(log_dir="unused", minibatches=2, sub_batches=2, loss_fn="cispo")
+    trainer = RecordingTrainer()
+    adam = types.AdamParams(learning_rate=1e-3)
+    metrics = asyncio.run(math_grpo.train_minibatches(trainer, groups, cfg, adam))  # type: ignore[arg-type]
+    # Groups 0-2 then 3-4, each minibatch in two forward_backward calls before its optim_step.
+    assert trainer.calls == [
+        ("cispo", 3), ("cispo", 3), ("optim_step", 0), ("cispo", 2), ("cispo", 2), ("optim_step", 0)
+    ]  # fmt: skip
+    assert metrics["minibatches"] == 2 and metrics["datums"] == 10 and metrics["loss"] == 4.0
+    assert metrics["kl_sampler_trainer"] == pytest.approx(-0.1)
+    assert metrics["kl_last_minibatch"] == pytest.approx(-0.1)
 
 
 # -- rollouts --------------------------------------------------------------------------------------
