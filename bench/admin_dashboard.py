@@ -11,7 +11,7 @@ accepted part per priced cell of the rollups up to three hours before the last s
 as pushes that then stopped would have left it (the billing page has a lag to find). The
 writes are then flushed to disk, and PostgreSQL's tables vacuumed and analyzed as autovacuum
 soon would, so the timings see the steady state rather than the minute after a load. A real
-server (uvicorn, in a thread) then answers `--requests` requests per route, one at a time on a
+server (uvicorn, in a thread), once its engine has started, then answers `--requests` requests per route, one at a time on a
 kept-alive connection: every dashboard page and JSON route, and `GET /api/v1/healthz` as the
 floor. Prints JSON: seeding sizes and times, and p50/p95 per route in milliseconds.
 
@@ -205,6 +205,10 @@ def serving(app: FastAPI) -> Iterator[str]:
         if not thread.is_alive():
             raise RuntimeError("the server did not start")
         time.sleep(0.05)
+    # Timed is the server at work, not its start-up: the embedded engine imports torch and
+    # sizes each model's adapters in a thread of its own for the first seconds.
+    if not app.state.treadle.dispatcher.wait_ready(300):
+        raise RuntimeError("the server's engine did not start")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
