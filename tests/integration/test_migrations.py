@@ -97,19 +97,7 @@ def test_billing_revision_gives_recorded_usage_its_utc_hour(database_url: str) -
     t = datetime(2026, 3, 31, 23, 59, 59, 999_999, tzinfo=UTC)
     recorded = [t, t + timedelta(microseconds=1), t - timedelta(minutes=30), t + timedelta(hours=5)]
     with database.engine.begin() as conn:
-        conn.execute(
-            tables.tables["tenants"].insert(),
-            [
-                dict(
-                    id="t1",
-                    name="acme",
-                    max_concurrent_sessions=1,
-                    max_lora_rank=8,
-                    disabled=False,
-                    created_at=t,
-                )
-            ],
-        )
+        conn.execute(tables.tables["tenants"].insert(), [_tenant_row(t)])
         conn.execute(
             tables.tables["sessions"].insert(),
             [
@@ -198,19 +186,7 @@ def test_daily_revision_sums_the_hourly_rollups_per_utc_day(database_url: str) -
         (day + timedelta(hours=24), "k1", "s1", 2, 1, 5, 0, 50),
     ]
     with database.engine.begin() as conn:
-        conn.execute(
-            tables.tables["tenants"].insert(),
-            [
-                dict(
-                    id="t1",
-                    name="acme",
-                    max_concurrent_sessions=1,
-                    max_lora_rank=8,
-                    disabled=False,
-                    created_at=day,
-                )
-            ],
-        )
+        conn.execute(tables.tables["tenants"].insert(), [_tenant_row(day)])
         conn.execute(
             tables.tables["usage_rollups"].insert(),
             [
@@ -251,3 +227,15 @@ def test_daily_revision_sums_the_hourly_rollups_per_utc_day(database_url: str) -
         (day, "t1", "", "m", "training"): (1, 7, 0, 0),
         (day + timedelta(days=1), "t1", "k1", "m", "training"): (1, 5, 0, 50),
     }
+
+
+def _tenant_row(created_at: datetime) -> dict[str, object]:
+    """Tenant t1 as the revisions under test stored it."""
+    return dict(
+        id="t1",
+        name="acme",
+        max_concurrent_sessions=1,
+        max_lora_rank=8,
+        disabled=False,
+        created_at=created_at,
+    )
