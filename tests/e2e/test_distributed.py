@@ -1,7 +1,8 @@
 """Distributed mode with real processes: two API replicas, two CPU workers and beat, on
 PostgreSQL and Redis. The tinker and treadle SDKs' results equal embedded mode's, a worker
 killed in the middle of a loop costs the client latency, not errors, each process serves its
-own metrics and keeps its liveness file fresh."""
+own metrics and keeps its liveness file fresh, and the cookbook's recipes run against it as
+they do against an embedded server."""
 
 from __future__ import annotations
 
@@ -40,12 +41,13 @@ from tests.server import start_server
 from tests.services import free_port
 from treadle_cookbook import checkpoints as recipe_checkpoints
 from treadle_cookbook import metrics as recipe_metrics
-from treadle_cookbook.recipes import math_grpo, sft_chat
+from treadle_cookbook.recipes import distill, dpo, kto, math_grpo, sft_chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.slow]
 
 ARITH_MODEL = "cookbook/arith-1m"
 ARITH_FOLDER = Path(__file__).resolve().parents[1] / "cookbook" / "arith-1m"
+TEACHER = "treadle/tiny-qwen-1m"  # the distillation recipe's teacher: tiny-1m's tokenizer
 METRICS_TOKEN = "metrics-token-0123456789"
 
 
@@ -76,8 +78,9 @@ def running(
             worker_lease_seconds="10",
             snapshot_every_steps="3",
             session_ttl_seconds="30",
-            # The cookbook test's math GRPO model, served by a worker it starts.
-            models=json.dumps([*DEFAULT_MODELS, ARITH_MODEL]),
+            # The cookbook tests' math GRPO model and distillation teacher, served by workers
+            # they start.
+            models=json.dumps([*DEFAULT_MODELS, ARITH_MODEL, TEACHER]),
             model_folders=json.dumps({ARITH_MODEL: str(ARITH_FOLDER)}),
         ) as group,
     ):
@@ -770,7 +773,8 @@ def test_cookbook_recipes_run_unchanged_and_resume_across_replicas(
         [
             "--base_url", group.api_urls["a2"], "--api_key", key, "--model", ARITH_MODEL,
             "--log_dir", str(grpo_dir), "--steps", "3", "--groups_per_step", "4",
-            "--group_size", "4", "--eval_problems", "20", "--lora_rank", "8",
+            "--group_size", "4", "--minibatches", "2", "--eval_problems", "20",
+            "--lora_rank", "8",
         ]
     )  # fmt: skip
     rows = recipe_metrics.read(grpo_dir)
@@ -779,3 +783,44 @@ def test_cookbook_recipes_run_unchanged_and_resume_across_replicas(
     assert any(r.get("advantage_abs_mean", 0.0) > 0 for r in steps), steps
     assert [r["step"] for r in rows if "held_out_accuracy" in r] == [0, 3]
     assert recipe_checkpoints.read(grpo_dir)[-1]["step"] == 3
+
+
+@ONE_STORE
+def test_cookbook_preference_and_distillation_recipes_train_through_the_replicas(
+    running: tuple[Cluster, Database, TenantFactory], tmp_path: Path
+) -> None:
+    """dpo and kto, whose loss the client computes (`forward_backward_custom`), raise the train
+    margin from exactly zero through one replica, and distill, whose targets are the teacher's
+    top-K logprobs (sampled by a worker serving the teacher) as 2-D cross-entropy targets,
+    lowers the student's KL to the teacher through the other."""
+    group, database, make_tenant = running
+    _live_workers(group, database, 1)
+    group.start_worker("teacher", TEACHER)  # starts while the preference recipes train
+    key = make_tenant().key
+    for recipe in (dpo, kto):
+        log_dir = tmp_path / recipe.__name__.rsplit(".", 1)[-1]
+        recipe.main(
+            [
+                "--base_url", group.api_urls["a1"], "--api_key", key, "--log_dir", str(log_dir),
+                "--steps", "4", "--eval_every", "4",
+            ]
+        )  # fmt: skip
+        rows = recipe_metrics.read(log_dir)
+        margins = [(r["step"], r["train_margin"]) for r in rows if "train_margin" in r]
+        assert [step for step, _ in margins] == [0, 4], margins
+        # The reference is the run's initial weights, so the margin starts at exactly zero.
+        assert margins[0][1] == 0.0 and margins[-1][1] > 0.0, (recipe.__name__, margins)
+
+    _wait_for(database, "teacher", lambda w: w.status == "live", seconds=120)
+    distill_dir = tmp_path / "distill"
+    distill.main(
+        [
+            "--base_url", group.api_urls["a2"], "--api_key", key, "--teacher_model", TEACHER,
+            "--log_dir", str(distill_dir), "--steps", "4", "--eval_every", "4",
+        ]
+    )  # fmt: skip
+    rows = recipe_metrics.read(distill_dir)
+    held_out = [(r["step"], r["held_out_kl"]) for r in rows if "held_out_kl" in r]
+    assert [step for step, _ in held_out] == [0, 4] and held_out[1][1] < held_out[0][1], held_out
+    kl = [r["kl"] for r in rows if "kl" in r]
+    assert len(kl) == 4 and kl[-1] < kl[0], kl
