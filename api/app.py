@@ -103,6 +103,7 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
         if isinstance(notifier, RedisNotifier):
             notifier.start_listening()
         periodic = [
+            asyncio.create_task(_freeze_once_started(state)),
             asyncio.create_task(_sweep_expired_sessions(state)),
             asyncio.create_task(state.readiness.run_periodically()),
             # Each replica's own disk: its copies of S3 artifacts (`scheduler.artifact_cache`).
@@ -112,21 +113,16 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
             periodic.append(asyncio.create_task(_run_billing_jobs(state)))
             periodic.append(asyncio.create_task(_prune_op_log(state)))
             periodic.append(asyncio.create_task(_collect_artifacts(state)))
-        # What start-up built (the imported libraries, the app, its catalogs) lives as long as the
-        # server: moved out of the collector's generations (a constant-time splice), a full
-        # collection no longer walks it. Those collections made the slowest requests: 100-250 ms
-        # each once torch is loaded, against 20 ms for a week of hourly usage.
-        gc.freeze()
         try:
             yield
         finally:
-            # Back into the collector's reach, so what this app held can be freed once it stops.
-            gc.unfreeze()
             for task in periodic:
                 task.cancel()
             for task in periodic:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            # Back into the collector's reach, so what this app held can be freed once it stops.
+            gc.unfreeze()
             await asyncio.to_thread(state.dispatcher.stop)
             if isinstance(notifier, RedisNotifier):
                 notifier.stop()
@@ -179,6 +175,20 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
 def _expire_idle(state: AppState) -> list[str]:
     with state.database.transaction() as db:
         return session_service.expire_idle(db, state.clock, state.settings.session_ttl_seconds)
+
+
+async def _freeze_once_started(state: AppState) -> None:
+    """Once the engine has started (embedded mode: torch imported and the models sized, in the
+    engine's thread; distributed mode: at once), freeze what start-up built out of the garbage
+    collector's generations, so a full collection no longer walks it. Such collections made the
+    slowest requests: 100-250 ms each once torch is loaded, against 20 ms for a week of hourly
+    usage. Start-up's garbage is not collected first (a collection that long per start adds up
+    where many apps start, as in tests); the little there is stays until the app stops."""
+    while not state.dispatcher.wait_ready(0):
+        if state.dispatcher.failure is not None:
+            return
+        await asyncio.sleep(0.25)
+    gc.freeze()
 
 
 async def _sweep_expired_sessions(state: AppState) -> None:
