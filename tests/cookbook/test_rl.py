@@ -111,19 +111,23 @@ def test_tokens_the_policy_did_not_sample_are_neither_trained_nor_in_the_kl() ->
 
 
 class RecordingTrainer:
-    """Answers forward_backward with logprobs 0.1 above the sampler's, and records calls."""
+    """Answers its n-th forward_backward call (from 1) with logprobs 0.1·n above the sampler's,
+    so a metric shows which calls it came from, and records calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.passes = 0
 
     async def forward_backward_async(
         self, data: list[types.Datum], loss_fn: str
     ) -> APIFuture[types.ForwardBackwardOutput]:
         self.calls.append((loss_fn, len(data)))
+        self.passes += 1
+        gap = 0.1 * self.passes
         outputs = [
             {
                 "logprobs": types.TensorData.from_list(
-                    [x + 0.1 for x in d.loss_fn_inputs["logprobs"].tolist()], "float32"
+                    [x + gap for x in d.loss_fn_inputs["logprobs"].tolist()], "float32"
                 )
             }
             for d in data
@@ -162,8 +166,9 @@ def test_train_step_sends_every_sub_batch_before_one_optim_step() -> None:
     assert metrics["advantage_abs_mean"] == pytest.approx(
         sum(abs(a) for a in advantages([1.0, 0.0, 0.0])) / 3
     )
-    # The trainer's logprobs are 0.1 above the sampler's on every sampled token.
-    assert metrics["kl_sampler_trainer"] == pytest.approx(-0.1, abs=1e-6)
+    # The KL is the mean over every call's tokens (3 per datum): 0.1 to 0.4 above the sampler.
+    gaps = [0.1] * 3 + [0.2] * 2 + [0.3] * 2 + [0.4] * 2
+    assert metrics["kl_sampler_trainer"] == pytest.approx(-sum(gaps) / len(gaps), abs=1e-6)
 
 
 def test_math_grpo_trains_a_batch_in_one_optim_step_per_minibatch() -> None:
@@ -177,8 +182,9 @@ def test_math_grpo_trains_a_batch_in_one_optim_step_per_minibatch() -> None:
         ("cispo", 3), ("cispo", 3), ("optim_step", 0), ("cispo", 2), ("cispo", 2), ("optim_step", 0)
     ]  # fmt: skip
     assert metrics["minibatches"] == 2 and metrics["datums"] == 10 and metrics["loss"] == 4.0
-    assert metrics["kl_sampler_trainer"] == pytest.approx(-0.1)
-    assert metrics["kl_last_minibatch"] == pytest.approx(-0.1)
+    # Calls 1-2 (3 datums each) trained the first minibatch, calls 3-4 (2 each) the last.
+    assert metrics["kl_sampler_trainer"] == pytest.approx(-(3 * 0.1 + 3 * 0.2) / 6, abs=1e-6)
+    assert metrics["kl_last_minibatch"] == pytest.approx(-(2 * 0.3 + 2 * 0.4) / 4, abs=1e-6)
 
 
 # -- rollouts --------------------------------------------------------------------------------------
