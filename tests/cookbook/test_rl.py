@@ -143,8 +143,28 @@ class RecordingTrainer:
 def test_split_makes_near_equal_contiguous_chunks() -> None:
     assert split(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     assert split([1, 2], 5) == [[1], [2]]
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="parts must be at least 1, got 0"):
         split([1], 0)
+
+
+def test_no_sub_batches_is_refused_before_anything_is_sent() -> None:
+    trainer = RecordingTrainer()
+    step = train_step(
+        trainer,  # type: ignore[arg-type]
+        [Group([sample(1.0), sample(0.0)], 0)],
+        loss_fn="ppo",
+        adam=types.AdamParams(learning_rate=1e-4),
+        sub_batches=0,
+    )
+    with pytest.raises(ValueError, match="sub_batches must be at least 1, got 0"):
+        asyncio.run(step)
+    assert trainer.calls == []
+
+
+@pytest.mark.parametrize("field", ["minibatches", "sub_batches"])
+def test_math_grpo_refuses_fewer_than_one_minibatch_or_sub_batch(field: str) -> None:
+    with pytest.raises(SystemExit, match=f"--{field}: Input should be greater than or equal to 1"):
+        math_grpo.Config.from_cli(["--log_dir=unused", f"--{field}=0"])
 
 
 def test_train_step_sends_every_sub_batch_before_one_optim_step() -> None:

@@ -70,7 +70,7 @@ class Config(RecipeConfig):
     group_size: int = Field(default=4, description="attempts sampled per problem")
     learning_rate: float = Field(default=1e-5, description="AdamW learning rate (constant)")
     loss_fn: PolicyLoss = Field(default="cispo", description="the policy loss")
-    sub_batches: int = Field(default=2, description="forward_backward calls per optim_step")
+    sub_batches: int = Field(default=2, ge=1, description="forward_backward calls per optim_step")
     max_staleness: int = Field(default=3, description="oldest weights a group may come from")
     max_tokens: int = Field(default=256, description="tokens sampled per turn")
     temperature: float = Field(default=1.0, description="sampling temperature")

@@ -75,8 +75,8 @@ class Config(RecipeConfig):
         default_factory=lambda: Schedule(kind="linear"), description="learning-rate schedule"
     )
     loss_fn: PolicyLoss = Field(default="ppo", description="the policy loss")
-    sub_batches: int = Field(default=1, description="forward_backward calls per optim_step")
-    minibatches: int = Field(default=8, description="optim_steps per sampled batch")
+    sub_batches: int = Field(default=1, ge=1, description="forward_backward calls per optim_step")
+    minibatches: int = Field(default=8, ge=1, description="optim_steps per sampled batch")
     mode: Literal["sync", "overlapped"] = Field(default="sync", description="rollout scheduling")
     max_staleness: int = Field(default=3, description="overlapped: oldest weights kept, in steps")
     temperature: float = Field(default=1.0, description="sampling temperature of rollouts")

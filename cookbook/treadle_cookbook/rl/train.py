@@ -21,7 +21,7 @@ T = TypeVar("T")
 def split(items: Sequence[T], parts: int) -> list[list[T]]:
     """`items` in `parts` contiguous chunks whose sizes differ by at most one (none empty)."""
     if parts < 1:
-        raise ValueError(f"sub_batches must be at least 1, got {parts}")
+        raise ValueError(f"parts must be at least 1, got {parts}")
     parts = min(parts, len(items))
     size, extra = divmod(len(items), parts)
     chunks, start = [], 0
@@ -47,6 +47,8 @@ async def train_step(
     sub-batches), `datums`, `sub_batches` (the number of forward_backward calls) and
     `advantage_abs_mean` (the mean |advantage| of the samples: 0 when nothing was learned from).
     """
+    if sub_batches < 1:
+        raise ValueError(f"sub_batches must be at least 1, got {sub_batches}")
     data, samples = group_data(groups)
     trained = [a for group in groups for a in advantages(group.rewards)]
     chunks = split(data, sub_batches)
