@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import pytest
 import tokenizers
 
+import treadle
 from tests.server import LiveServer, start_server
 from treadle import types
 from treadle.tokenizer import Tokenizer
@@ -143,6 +144,37 @@ def test_recipe_trains_on_differing_rewards_and_resumes_after_a_kill(
     config = json.loads((log_dir / "config.json").read_text())
     assert config["loss_fn"] == "cispo" and "api_key" not in config
     assert (log_dir / "reward.png").stat().st_size > 0 and (log_dir / "tools.png").exists()
+
+
+def test_a_step_without_a_varied_group_saves_no_sampler_weights(
+    server: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saves = []
+    save = treadle.TrainingClient.save_weights_and_get_sampling_client_async
+
+    async def counted(self: treadle.TrainingClient) -> treadle.SamplingClient:
+        saves.append(1)
+        return await save(self)
+
+    monkeypatch.setattr(
+        treadle.TrainingClient, "save_weights_and_get_sampling_client_async", counted
+    )
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text(json.dumps(SILENT) + "\n")
+    # Greedy attempts at one problem are all alike, so every group is constant (and the base
+    # model writes no code: each scores -0.1).
+    code_rl.main(
+        [
+            f"--base_url={server.base_url}", f"--api_key={server.make_tenant().key}",
+            "--model=treadle/tiny-1m", f"--log_dir={tmp_path / 'run'}",
+            f"--problems_path={problems}", "--steps=2", "--groups_per_step=2", "--group_size=2",
+            "--max_tokens=8", "--temperature=0", "--save_every=2",
+        ]
+    )  # fmt: skip
+    rows = [row for row in metrics.read(tmp_path / "run") if "reward" in row]
+    assert [row["frac_constant_dropped"] for row in rows] == [1.0, 1.0]
+    assert not any("datums" in row for row in rows)
+    assert len(saves) == 1  # the initial weights' snapshot only
 
 
 # -- the two-turn flow at the token level ---------------------------------------------------

@@ -19,8 +19,8 @@ The loop is the RL core's (`treadle_cookbook.rl`), as in math_grpo's overlapped 
 `groups_per_step` background tasks each sample one group at a time with the newest weights and
 queue it, and the trainer drops a group whose weights are more than `max_staleness` steps
 behind its own. The loss defaults to `cispo`; a step's datums are sent in `sub_batches`
-forward_backward calls and applied by one optim_step. Sandboxes run one at a time (they share
-the sandbox uid's process limit).
+forward_backward calls and applied by one optim_step; a step that trained nothing saves no new
+sampler weights. Sandboxes run one at a time (they share the sandbox uid's process limit).
 
 Writes config.json, metrics.jsonl (per step: reward, pass_rate, code_block_rate,
 tool_call_rate, frac_constant_dropped, stale_dropped, staleness_mean/max; on steps that train,
@@ -229,7 +229,8 @@ async def run(cfg: Config) -> None:
     episodes = CodeEpisodes(cfg, renderer, grader)
     adam = types.AdamParams(learning_rate=cfg.learning_rate, grad_clip_norm=1.0)
     rollouts = OverlappedRollouts(stream, episodes, cfg.groups_per_step, cfg.max_staleness)
-    rollouts.publish(await training.save_weights_and_get_sampling_client_async(), start)
+    sampler = await training.save_weights_and_get_sampling_client_async()
+    rollouts.publish(sampler, start)
     rollouts.start()
 
     with Progress() as progress:
@@ -244,7 +245,8 @@ async def run(cfg: Config) -> None:
                 metrics |= await train_step(
                     training, trained, loss_fn=cfg.loss_fn, adam=adam, sub_batches=cfg.sub_batches
                 )
-            rollouts.publish(await training.save_weights_and_get_sampling_client_async(), step + 1)
+                sampler = await training.save_weights_and_get_sampling_client_async()
+            rollouts.publish(sampler, step + 1)
             metrics["step_seconds"] = time.monotonic() - started
             log.log(step, metrics)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
