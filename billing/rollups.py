@@ -171,52 +171,19 @@ def recompute_rollups(
     # Inline literals: PostgreSQL matches a grouped expression to the selected one only when
     # they are spelled alike, and two bound parameters are not.
     none = literal_column(f"'{NO_DIMENSION}'", String)
-    api_key_id = func.coalesce(UsageEvent.api_key_id, none)
-    session_id = func.coalesce(UsageEvent.session_id, none)
-    price_id = func.coalesce(UsageEvent.price_id, literal_column("0"))
-    sums = (
-        select(
-            UsageEvent.tenant_id,
-            UsageEvent.hour,
-            api_key_id,
-            session_id,
-            UsageEvent.base_model,
-            UsageEvent.kind,
-            price_id,
-            func.count(),
-            func.sum(UsageEvent.quantity),
-            func.sum(UsageEvent.cached_quantity),
-            func.sum(UsageEvent.amount_micros),
-        )
-        .where(*event_scope)
-        .group_by(
-            UsageEvent.tenant_id,
-            UsageEvent.hour,
-            api_key_id,
-            session_id,
-            UsageEvent.base_model,
-            UsageEvent.kind,
-            price_id,
-        )
-    )
-    result = db.execute(
-        insert(UsageRollup).from_select(
-            [
-                "tenant_id",
-                "hour",
-                "api_key_id",
-                "session_id",
-                "base_model",
-                "kind",
-                "price_id",
-                "events",
-                "quantity",
-                "cached_quantity",
-                "amount_micros",
-            ],
-            sums,
-        )
-    )
+    missing = {"api_key_id": none, "session_id": none, "price_id": literal_column("0")}
+    key = [
+        func.coalesce(getattr(UsageEvent, name), missing[name])
+        if name in missing
+        else getattr(UsageEvent, name)
+        for name in _HOUR_KEY
+    ]
+    # A rollup's `events` counts its events; each other sum adds up the event column it names.
+    totals = [
+        func.count() if name == "events" else func.sum(getattr(UsageEvent, name)) for name in _SUMS
+    ]
+    sums = select(*key, *totals).where(*event_scope).group_by(*key)
+    result = db.execute(insert(UsageRollup).from_select([*_HOUR_KEY, *_SUMS], sums))
     _recompute_days(db, tenant_id, since, until)
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
