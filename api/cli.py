@@ -856,6 +856,13 @@ def billing_reconcile(
         )
     except TreadleError as exc:
         raise fail(exc.message) from exc
+    if not result.balances:
+        console.print(
+            f"Nothing to compare over {result.since.isoformat()} .. {result.until.isoformat()}: "
+            "no whole settled hour in it, or no linked tenant with usage or a meter there. "
+            "Pass an earlier --since, or link tenants with `admin tenants link-stripe`."
+        )
+        return
     table = Table(
         "tenant",
         "meter",

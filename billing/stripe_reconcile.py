@@ -7,7 +7,9 @@ a minute ago may not be in its summaries yet, so a difference on recent hours ca
 
 Each run's result is kept in `stripe_reconciliations` (the differing balances only, so a row
 stays small however many tenants were compared), whoever ran it, so the dashboard can show the
-latest; a run Stripe did not answer is kept as failed.
+latest; a run Stripe did not answer is kept as failed. A run that compared nothing (a period
+with no settled hour yet, no tenant linked to Stripe) is kept as `empty`, never as `equal`: it
+says nothing of Stripe's balances, so the dashboard keeps showing the latest run that did.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from core.tables import Tenant
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["equal", "differs", "failed"]
+Outcome = Literal["equal", "differs", "failed", "empty"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Reconciliation:
 
     @property
     def outcome(self) -> Outcome:
+        if not self.balances:
+            return "empty"
         return "differs" if self.differences else "equal"
 
 

@@ -206,8 +206,9 @@ class StripeMeterPush(Base):
 class StripeReconciliation(Base):
     """One run of the reconciler (`billing.stripe_reconcile`): when it ran, the settled hours
     it compared, and how it ended: `equal`, `differs` (`differences` holds each differing
-    tenant and meter, as `MeterBalance` fields) or `failed` (Stripe did not answer; `error`
-    says why). The dashboard shows the latest; the rows are never edited."""
+    tenant and meter, as `MeterBalance` fields), `failed` (Stripe did not answer; `error`
+    says why) or `empty` (nothing to compare: no settled hour in the period, no tenant linked).
+    The dashboard shows the latest run that was not empty; the rows are never edited."""
 
     __tablename__ = "stripe_reconciliations"
 

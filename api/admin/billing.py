@@ -2,20 +2,35 @@
 meters lag behind the usage, the parts that await the operator, and the latest reconciliation.
 
 It reads the push record (`stripe_meter_pushes`), the hourly rollups and the reconciler's kept
-results, never the ledger, so the page costs a few index lookups however much usage there is:
+results, and of the ledger only the storage events' partial index over two days, so the page
+costs index lookups however much usage there is:
 
 - parts intended and not accepted come from the partial index on unaccepted parts (few rows);
 - when Stripe last accepted a part, and the latest hour it accepted one for, from the indexes
   on `accepted_at` and `hour`;
-- the oldest settled hour with usage Stripe has not accepted is the oldest of: the hour of a
-  part not accepted; the latest accepted hour, where its rollups exceed what Stripe accepted
-  for it (usage recorded after its parts went); and the first later settled hour with priced
-  usage of a tenant linked to Stripe (the rollups' hour index, walked from that hour).
+- the oldest settled hour with usage Stripe has not accepted is the oldest of:
+  - the hour of a part not accepted (a push that stopped in a batch, a Stripe that was down);
+  - per linked tenant and usage kind, the first settled hour after the latest one Stripe
+    accepted for that pair (or within Stripe's age limit, when it accepted none) with priced
+    usage: a push sends one tenant and kind at a time in hour order, so hours before the pair's
+    latest accepted one went, while one that stopped part way leaves the later pairs behind at
+    their own older hours. Taken per pair, not from the latest hour of any tenant, because that
+    is exactly what an outage's backlog breaks. One index seek per pair (the push record's
+    unique index, then the rollups' (tenant, hour) index walked from that hour), a few hundred
+    for a hundred tenants, whatever the ledger holds;
+  - the latest hour Stripe accepted for any tenant, where its rollups exceed what Stripe
+    accepted for it (usage recorded after its parts went);
+  - storage usage metered late for an hour already behind its pair's latest accepted hour
+    (`billing.storage` catches up the last `CATCH_UP` hours, and a checkpoint that became
+    ready late fills an hour that had no event): per linked tenant, the storage events of that
+    window (their partial index, one row per hour) summed beside the storage parts accepted.
 
-A cell of an earlier hour that never became a part (Stripe refused it for good, its tenant was
-linked later, it passed Stripe's age limit) is not seen here: the pusher's log and the
-reconciler report it. This module knows the push's rules (`billing.stripe_push`) but sends and
-writes nothing.
+Not seen here, and reported by the pusher's log and the reconciler instead: usage of another
+kind recorded late into an hour before its pair's latest accepted one (other than the latest
+hour Stripe accepted for any tenant); a cell Stripe refused for good, once later hours of its
+pair went; cells older than Stripe's age limit; and late storage usage hidden in the window's
+sum by an hour of the same tenant that Stripe holds more of than the ledger does. This module
+knows the push's rules (`billing.stripe_push`) but sends and writes nothing.
 """
 
 from __future__ import annotations
@@ -23,13 +38,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, func, or_, select
+from sqlalchemy import ColumnElement, and_, func, literal, literal_column, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
+from billing.storage import CATCH_UP, STORAGE, hour_of
 from billing.stripe_gateway import MAX_EVENT_AGE_DAYS
 from billing.stripe_push import AGE_MARGIN, RESEND_WITHIN, settled_before
 from billing.stripe_reconcile import MeterBalance
-from billing.tables import StripeMeterPush, StripeReconciliation, UsageRollup
+from billing.tables import (
+    USAGE_KINDS,
+    StripeMeterPush,
+    StripeReconciliation,
+    UsageEvent,
+    UsageRollup,
+)
 from core.settings import Settings
 from core.tables import Tenant
 
@@ -90,6 +112,8 @@ class LastReconciliation:
     compared: int
     differences: list[MeterBalance]
     error: str | None
+    empty_since_ran_at: datetime | None = None
+    """When the latest run that compared nothing ran, where one ran after this one."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +162,8 @@ def push_lag(db: OrmSession, now: datetime, settle_seconds: float) -> PushLag:
         for hour in (
             oldest_part_hour,
             _short_hour(db, latest_hour),
-            _first_unpushed_hour(db, now, latest_hour, before),
+            _first_unpushed_hour(db, now, before),
+            _late_storage_hour(db, now, before),
         )
         if hour is not None and hour < before
     ]
@@ -198,24 +223,133 @@ def _short_hour(db: OrmSession, hour: datetime | None) -> datetime | None:
     return hour if short else None
 
 
-def _first_unpushed_hour(
-    db: OrmSession, now: datetime, latest_hour: datetime | None, before: datetime
-) -> datetime | None:
-    """The first settled hour after the latest one Stripe accepted (or within Stripe's age
-    limit, when it never accepted one) with priced usage of a tenant linked to Stripe."""
-    start = (
-        latest_hour + HOUR
-        if latest_hour is not None
-        else now - timedelta(days=MAX_EVENT_AGE_DAYS) + AGE_MARGIN
-    )
-    return db.scalar(
-        select(UsageRollup.hour)
-        .join(Tenant, Tenant.id == UsageRollup.tenant_id)
-        .where(UsageRollup.hour >= start, UsageRollup.hour < before)
-        .where(_priced_usage_of_linked_tenants())
-        .order_by(UsageRollup.hour)
+def _oldest_pushable(now: datetime) -> datetime:
+    """Hours before this are past Stripe's age limit: the pusher no longer sends them."""
+    return now - timedelta(days=MAX_EVENT_AGE_DAYS) + AGE_MARGIN
+
+
+def _latest_accepted_hour(kind: str) -> ColumnElement[datetime]:
+    """Per linked tenant (correlated with `Tenant`), the latest hour Stripe accepted a part of
+    `kind` for: the push record's unique index, read backwards from the pair's last part."""
+    return (
+        select(StripeMeterPush.hour)
+        .where(
+            StripeMeterPush.tenant_id == Tenant.id,
+            StripeMeterPush.kind == kind,
+            StripeMeterPush.accepted_at.is_not(None),
+        )
+        .order_by(StripeMeterPush.hour.desc())
         .limit(1)
+        .correlate(Tenant)
+        .scalar_subquery()
     )
+
+
+def _first_unpushed_hour(db: OrmSession, now: datetime, before: datetime) -> datetime | None:
+    """The oldest, over linked tenants and usage kinds, of the first settled hour after the
+    latest one Stripe accepted for the pair (or within Stripe's age limit, when it accepted
+    none) with priced usage of that pair."""
+    oldest = _oldest_pushable(now)
+    firsts = []
+    for kind in USAGE_KINDS:
+        after = func.coalesce(_latest_accepted_hour(kind), literal(oldest - HOUR))
+        first = (
+            select(UsageRollup.hour)
+            .where(
+                UsageRollup.tenant_id == Tenant.id,
+                UsageRollup.kind == kind,
+                UsageRollup.price_id != 0,
+                UsageRollup.amount_micros > 0,
+                UsageRollup.hour >= oldest,
+                UsageRollup.hour < before,
+                UsageRollup.hour > after,
+            )
+            .order_by(UsageRollup.hour)
+            .limit(1)
+            .correlate(Tenant)
+            .scalar_subquery()
+        )
+        firsts.append(
+            db.scalar(select(func.min(first)).where(Tenant.stripe_customer_id.is_not(None)))
+        )
+    return min((hour for hour in firsts if hour is not None), default=None)
+
+
+def _late_storage_hour(db: OrmSession, now: datetime, before: datetime) -> datetime | None:
+    """The oldest hour, up to each linked tenant's latest accepted storage hour and within the
+    hours storage metering still catches up, whose storage usage exceeds what Stripe accepted:
+    usage metered after later hours were pushed. Summed per tenant first (equal sums, the
+    usual case, end the search), then hour by hour for the tenants that differ."""
+    since = max(hour_of(now) - CATCH_UP, _oldest_pushable(now))
+    latest = _latest_accepted_hour(STORAGE)
+    # The literal kind lets SQLite see that the storage events' partial index applies.
+    storage_events = and_(
+        UsageEvent.tenant_id == Tenant.id,
+        UsageEvent.kind == literal_column(f"'{STORAGE}'"),
+        UsageEvent.price_id.is_not(None),
+        UsageEvent.hour >= since,
+        UsageEvent.hour < before,
+        UsageEvent.hour <= latest,
+    )
+    storage_parts = and_(
+        StripeMeterPush.tenant_id == Tenant.id,
+        StripeMeterPush.kind == STORAGE,
+        StripeMeterPush.accepted_at.is_not(None),
+        StripeMeterPush.hour >= since,
+        StripeMeterPush.hour < before,
+    )
+    used = select(func.sum(UsageEvent.amount_micros)).where(storage_events)
+    taken = select(func.sum(StripeMeterPush.value_micros)).where(storage_parts)
+    short_tenants = db.scalars(
+        select(Tenant.id).where(
+            Tenant.stripe_customer_id.is_not(None),
+            used.correlate(Tenant).scalar_subquery()
+            > func.coalesce(taken.correlate(Tenant).scalar_subquery(), 0),
+        )
+    ).all()
+    return min(
+        (
+            hour
+            for hour in (_short_storage_hour(db, tenant, since, before) for tenant in short_tenants)
+            if hour is not None
+        ),
+        default=None,
+    )
+
+
+def _short_storage_hour(
+    db: OrmSession, tenant_id: str, since: datetime, before: datetime
+) -> datetime | None:
+    """A tenant's oldest hour in [since, before) whose storage usage exceeds what Stripe
+    accepted for it."""
+    taken: dict[datetime, int] = {
+        hour: int(total)
+        for hour, total in db.execute(
+            select(StripeMeterPush.hour, func.sum(StripeMeterPush.value_micros))
+            .where(
+                StripeMeterPush.tenant_id == tenant_id,
+                StripeMeterPush.kind == STORAGE,
+                StripeMeterPush.accepted_at.is_not(None),
+                StripeMeterPush.hour >= since,
+                StripeMeterPush.hour < before,
+            )
+            .group_by(StripeMeterPush.hour)
+        )
+    }
+    for hour, amount in db.execute(
+        select(UsageEvent.hour, UsageEvent.amount_micros)
+        .where(
+            UsageEvent.tenant_id == tenant_id,
+            UsageEvent.kind == literal_column(f"'{STORAGE}'"),
+            UsageEvent.price_id.is_not(None),
+            UsageEvent.hour >= since,
+            UsageEvent.hour < before,
+        )
+        .order_by(UsageEvent.hour)
+    ):
+        if int(amount) > taken.get(hour, 0):
+            return hour
+    return None
 
 
 def _unconfirmed(db: OrmSession, now: datetime) -> tuple[int, list[UnconfirmedPart]]:
@@ -251,13 +385,23 @@ def _unconfirmed(db: OrmSession, now: datetime) -> tuple[int, list[UnconfirmedPa
 
 
 def last_reconciliation(db: OrmSession) -> LastReconciliation | None:
+    """The latest run that compared something: one that compared nothing (`empty`) says nothing
+    of Stripe's balances, so it must not hide an earlier `differs`; it is only noted."""
+    latest_first = (StripeReconciliation.ran_at.desc(), StripeReconciliation.id.desc())
     row = db.scalar(
         select(StripeReconciliation)
-        .order_by(StripeReconciliation.ran_at.desc(), StripeReconciliation.id.desc())
+        .where(StripeReconciliation.outcome != "empty")
+        .order_by(*latest_first)
         .limit(1)
     )
     if row is None:
         return None
+    empty_at = db.scalar(
+        select(StripeReconciliation.ran_at)
+        .where(StripeReconciliation.outcome == "empty", StripeReconciliation.ran_at >= row.ran_at)
+        .order_by(*latest_first)
+        .limit(1)
+    )
     return LastReconciliation(
         ran_at=row.ran_at,
         since=row.since,
@@ -266,4 +410,5 @@ def last_reconciliation(db: OrmSession) -> LastReconciliation | None:
         compared=row.compared,
         differences=[MeterBalance(**balance) for balance in row.differences],
         error=row.error,
+        empty_since_ran_at=empty_at,
     )

@@ -88,10 +88,15 @@ def test_link_push_and_reconcile(tmp_path: Path, fake: FakeStripe) -> None:
     assert differing.returncode == 1
     assert "differs" in differing.stdout
     assert "+1,000" in differing.stdout
+    # A period with no settled hour yet compares nothing, and says so rather than "matches".
+    unsettled = (datetime.now(UTC) + timedelta(hours=2)).isoformat()
+    nothing = _run(tmp_path, "admin", "billing", "reconcile", "--since", unsettled, **stripe)
+    assert nothing.returncode == 0, nothing.stdout + nothing.stderr
+    assert "Nothing to compare" in nothing.stdout and "matches" not in nothing.stdout
     # Each run's result is kept for the dashboard's billing page.
     with ledger.database.reader() as db:
         kept = db.scalars(select(StripeReconciliation.outcome).order_by(StripeReconciliation.id))
-        assert list(kept) == ["equal", "differs"]
+        assert list(kept) == ["equal", "differs", "empty"]
 
 
 def test_an_unconfirmed_meter_event_is_reported_and_resolved(

@@ -2,7 +2,8 @@
 pushes and reconciliations against the fake Stripe on loopback: the oldest settled hour Stripe
 lacks (and late usage into an hour already pushed), when Stripe last accepted a part, parts
 intended and not accepted, the ones too old to send again awaiting the operator, and the
-latest reconciliation as it ended (equal, differing, failed). Only an admin gets in; a server
+latest reconciliation as it ended (equal, differing, failed; one that compared nothing is only
+noted). Only an admin gets in; a server
 without a Stripe key says how to turn billing on."""
 
 from __future__ import annotations
@@ -135,6 +136,82 @@ def test_the_push_lag_follows_pushes_and_late_usage(billing: Billing) -> None:
     assert b.fake.total("treadle_training", "cus_Acme") == 1_000 + 2_000 + 500 + 4_000
 
 
+def _price(b: Billing, kind: str) -> int:
+    with b.database.reader() as db:
+        price = db.scalar(select(Price.id).where(Price.kind == kind))
+    assert price is not None
+    return price
+
+
+def test_a_push_that_stops_part_way_leaves_older_hours_of_later_tenants(billing: Billing) -> None:
+    """The push sends one tenant at a time, kind before hour: when Stripe goes away after the
+    first tenant's latest hour, the second tenant's older hours were never even intended."""
+    b = billing
+    hour = NOW.replace(minute=0)
+    b.fake.add_meter("treadle_sampling_prefill")
+    globex = tenant_factory(b.database, b.client.app.state.treadle.settings, b.clock)("globex")
+    with b.database.transaction() as db:
+        tenants.link_stripe_customer(
+            db, b.clock, tenants.find_tenant(db, globex.tenant_id), "cus_Globex", actor="operator"
+        )
+    first, second = sorted([b.acme, globex], key=lambda key: key.tenant_id)
+    b.use(hour - 3 * HOUR, 1_000, key=first)
+    b.use(hour - 2 * HOUR, 2_000, key=first)
+    # Sent third (its kind sorts first), and refused by a Stripe gone away; then never sent.
+    record(b.database, second, hour - 2 * HOUR, kind="sampling_prefill", quantity=1,
+           amount_micros=300, price_id=_price(b, "sampling_prefill"))  # fmt: skip
+    b.use(hour - 5 * HOUR, 700, key=second)
+
+    sent: list[int] = []
+
+    def stripe_goes_away_after_two(accepted: list[PendingPush]) -> None:
+        sent.append(len(accepted))
+        if len(sent) == 2:
+            b.fake.fail_next(1, 500)
+
+    with pytest.raises(StripeUnavailable):
+        push_usage(b.database, b.gateway(retry=RetryPolicy(attempts=1)), b.clock,
+                   batch_size=1, after_accept=stripe_goes_away_after_two)  # fmt: skip
+    assert sent == [1, 1, 0]
+    lag = b.view()["push"]
+    assert _at(lag["latest_accepted_hour"]) == hour - 2 * HOUR
+    assert lag["unaccepted_parts"] == 1  # the sampling part, at hour - 2
+    assert _at(lag["oldest_unaccepted_hour"]) == hour - 5 * HOUR
+    assert lag["lag_seconds"] == (NOW - (hour - 4 * HOUR)).total_seconds()
+
+    b.push()
+    assert b.view()["push"]["oldest_unaccepted_hour"] is None
+    customer = {b.acme.tenant_id: "cus_Acme", globex.tenant_id: "cus_Globex"}
+    assert b.fake.total("treadle_training", customer[second.tenant_id]) == 700
+    assert b.fake.total("treadle_sampling_prefill", customer[second.tenant_id]) == 300
+
+
+def test_storage_metered_late_for_an_hour_before_later_ones_went(billing: Billing) -> None:
+    """Storage metering catches up past hours: an hour metered after the next ones were pushed
+    is behind every tenant's latest accepted hour, and still missing from Stripe."""
+    b = billing
+    hour = NOW.replace(minute=0)
+    b.fake.add_meter("treadle_storage")
+    storage = _price(b, "storage")
+    for hours_ago in (4, 2):
+        record(b.database, b.acme, hour - hours_ago * HOUR, kind="storage", quantity=1,
+               amount_micros=100 * hours_ago, price_id=storage)  # fmt: skip
+    b.use(hour - HOUR, 1_000)
+    b.push()
+    assert b.view()["push"]["oldest_unaccepted_hour"] is None
+
+    b.clock.advance(60)
+    record(b.database, b.acme, hour - 3 * HOUR, kind="storage", quantity=1, amount_micros=300,
+           price_id=storage)  # fmt: skip
+    lag = b.view()["push"]
+    assert _at(lag["latest_accepted_hour"]) == hour - HOUR
+    assert _at(lag["oldest_unaccepted_hour"]) == hour - 3 * HOUR
+
+    b.push()
+    assert b.view()["push"]["oldest_unaccepted_hour"] is None
+    assert b.fake.total("treadle_storage", "cus_Acme") == 400 + 300 + 200
+
+
 def test_parts_not_accepted_and_those_awaiting_the_operator(billing: Billing) -> None:
     b = billing
     hour = NOW.replace(minute=0)
@@ -219,6 +296,37 @@ def test_the_latest_reconciliation_is_shown_as_it_ended(billing: Billing) -> Non
         assert list(outcomes) == ["equal", "differs", "failed"]
 
 
+def test_a_reconciliation_that_compared_nothing_hides_no_difference(billing: Billing) -> None:
+    b = billing
+    hour = NOW.replace(minute=0)
+    b.use(hour - 2 * HOUR, 1_500)
+    b.push()
+    b.fake.add_event("treadle_training", "cus_Acme", 1_000, hour - 2 * HOUR)
+    since = NOW.replace(hour=0, minute=0)
+    assert reconcile(b.database, b.gateway(), b.clock, since=since).outcome == "differs"
+
+    b.clock.advance(60)
+    nothing = reconcile(b.database, b.gateway(), b.clock, since=hour)  # no settled hour yet
+    assert (nothing.outcome, nothing.balances) == ("empty", [])
+    last = b.view()["reconciliation"]
+    assert last["outcome"] == "differs" and _at(last["ran_at"]) == NOW
+    assert _at(last["empty_since_ran_at"]) == NOW + timedelta(seconds=60)
+    page = b.client.get("/admin/billing", headers={"X-API-Key": b.admin.key}).text
+    assert "1 differ from the ledger" in page and "all equal" not in page
+    assert "compared nothing" in page
+
+    b.clock.advance(60)  # a run that compared something is shown on its own again
+    assert reconcile(b.database, b.gateway(), b.clock, since=since).outcome == "differs"
+    last = b.view()["reconciliation"]
+    assert _at(last["ran_at"]) == NOW + timedelta(seconds=120)
+    assert last["empty_since_ran_at"] is None
+    with b.database.reader() as db:
+        outcomes = db.scalars(
+            select(StripeReconciliation.outcome).order_by(StripeReconciliation.id)
+        )
+        assert list(outcomes) == ["differs", "empty", "differs"]
+
+
 def test_only_an_admin_reads_billing(billing: Billing) -> None:
     b = billing
     assert b.client.get("/admin/api/billing").status_code == 401
@@ -242,4 +350,4 @@ def test_a_server_without_a_stripe_key_says_how_to_turn_billing_on(
     assert "Billing to Stripe is off" in page
     for setting in ("TREADLE_STRIPE_API_KEY", "TREADLE_STRIPE_METER_PREFIX", "link-stripe"):
         assert setting in page
-    assert "No reconciliation has run" in page
+    assert "No reconciliation has compared anything yet" in page
