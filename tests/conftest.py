@@ -15,7 +15,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 from api import dbschema
-from core import logs
 from core.db import Database
 from tests import services
 from tests.server import AppFactory, build_app
@@ -95,17 +94,20 @@ def app_factory(tmp_path: Path) -> AppFactory:
 def _logging_as_it_was() -> Iterator[None]:
     """Restore the process's logging after each test. Commands run in-process (a CLI runner's
     `migrate`, `serve`) configure logging for the whole process (`core.logs.configure`): root
-    handler and level, uvicorn's loggers, alembic's level, warnings captured. Without this, a
-    test's outcome could depend on which test configured logging before it."""
-    root = logging.getLogger()
-    named = [logging.getLogger(name) for name in (*logs.UVICORN_LOGGERS, logs.MIGRATION_LOGGER)]
-    saved = (root.handlers[:], root.level)
-    saved_named = [(lg, lg.handlers[:], lg.propagate, lg.level) for lg in named]
+    handler and level, uvicorn's loggers, alembic's level, warnings captured; libraries do as
+    well (MLflow gives the `alembic` logger a handler of its own and stops it propagating).
+    Every logger that exists when the test starts gets back its handlers, level, propagation
+    and whether it is disabled. Without this, a test's outcome could depend on which test
+    configured logging before it."""
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    saved = [(lg, lg.handlers[:], lg.propagate, lg.level, lg.disabled) for lg in loggers]
     yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
-    for lg, handlers, propagate, level in saved_named:
-        lg.handlers[:] = handlers
-        lg.propagate = propagate
-        lg.setLevel(level)
+    for lg, handlers, propagate, level, disabled in saved:
+        if lg.handlers != handlers:
+            lg.handlers[:] = handlers
+        lg.propagate, lg.disabled = propagate, disabled
+        if lg.level != level:  # setLevel clears every logger's cache: only where it changed
+            lg.setLevel(level)
     logging.captureWarnings(False)
