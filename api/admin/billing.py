@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, func, literal, literal_column, or_, select
+from sqlalchemy import ColumnElement, and_, case, func, literal, literal_column, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.storage import CATCH_UP, STORAGE, hour_of
@@ -248,30 +248,43 @@ def _latest_accepted_hour(kind: str) -> ColumnElement[datetime]:
 def _first_unpushed_hour(db: OrmSession, now: datetime, before: datetime) -> datetime | None:
     """The oldest, over linked tenants and usage kinds, of the first settled hour after the
     latest one Stripe accepted for the pair (or within Stripe's age limit, when it accepted
-    none) with priced usage of that pair."""
-    oldest = _oldest_pushable(now)
+    none) with priced usage of that pair.
+
+    Per kind, each linked tenant's starting hour is computed once, in a materialized CTE, so
+    that the rollups' search from it is a seek on their (tenant, hour) key: bounded by a
+    correlated subquery or by two lower bounds, SQLite walked each tenant's whole 35 days."""
+    start = oldest_pushable = _oldest_pushable(now) - HOUR
     firsts = []
     for kind in USAGE_KINDS:
-        after = func.coalesce(_latest_accepted_hour(kind), literal(oldest - HOUR))
+        latest = _latest_accepted_hour(kind)
+        pairs = (
+            select(
+                Tenant.id.label("tenant_id"),
+                # The later of the pair's latest accepted hour and the age limit (NULL: none).
+                case(
+                    (latest > oldest_pushable, latest), else_=literal(start, UsageRollup.hour.type)
+                ).label("after"),
+            )
+            .where(Tenant.stripe_customer_id.is_not(None))
+            .cte(f"pushed_{kind}")
+            .prefix_with("MATERIALIZED")
+        )
         first = (
             select(UsageRollup.hour)
             .where(
-                UsageRollup.tenant_id == Tenant.id,
+                UsageRollup.tenant_id == pairs.c.tenant_id,
                 UsageRollup.kind == kind,
+                UsageRollup.hour > pairs.c.after,
+                UsageRollup.hour < before,
                 UsageRollup.price_id != 0,
                 UsageRollup.amount_micros > 0,
-                UsageRollup.hour >= oldest,
-                UsageRollup.hour < before,
-                UsageRollup.hour > after,
             )
             .order_by(UsageRollup.hour)
             .limit(1)
-            .correlate(Tenant)
+            .correlate(pairs)
             .scalar_subquery()
         )
-        firsts.append(
-            db.scalar(select(func.min(first)).where(Tenant.stripe_customer_id.is_not(None)))
-        )
+        firsts.append(db.scalar(select(func.min(first)).select_from(pairs)))
     return min((hour for hour in firsts if hour is not None), default=None)
 
 
