@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import pytest
 import tokenizers
 
-import treadle
 from tests.server import LiveServer, start_server
 from treadle import types
 from treadle.tokenizer import Tokenizer
@@ -147,18 +146,8 @@ def test_recipe_trains_on_differing_rewards_and_resumes_after_a_kill(
 
 
 def test_a_step_without_a_varied_group_saves_no_sampler_weights(
-    server: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, tmp_path: Path, sampler_saves: list[int]
 ) -> None:
-    saves = []
-    save = treadle.TrainingClient.save_weights_and_get_sampling_client_async
-
-    async def counted(self: treadle.TrainingClient) -> treadle.SamplingClient:
-        saves.append(1)
-        return await save(self)
-
-    monkeypatch.setattr(
-        treadle.TrainingClient, "save_weights_and_get_sampling_client_async", counted
-    )
     problems = tmp_path / "problems.jsonl"
     problems.write_text(json.dumps(SILENT) + "\n")
     # Greedy attempts at one problem are all alike, so every group is constant (and the base
@@ -174,7 +163,7 @@ def test_a_step_without_a_varied_group_saves_no_sampler_weights(
     rows = [row for row in metrics.read(tmp_path / "run") if "reward" in row]
     assert [row["frac_constant_dropped"] for row in rows] == [1.0, 1.0]
     assert not any("datums" in row for row in rows)
-    assert len(saves) == 1  # the initial weights' snapshot only
+    assert len(sampler_saves) == 1  # the initial weights' snapshot only
 
 
 # -- the two-turn flow at the token level ---------------------------------------------------

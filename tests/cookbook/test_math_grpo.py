@@ -103,24 +103,14 @@ def test_grpo_raises_held_out_accuracy(server: LiveServer, api_key: str, tmp_pat
 
 
 def test_a_step_without_a_varied_group_saves_no_sampler_weights(
-    server: LiveServer, api_key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, api_key: str, tmp_path: Path, sampler_saves: list[int]
 ) -> None:
-    saves = []
-    save = treadle.TrainingClient.save_weights_and_get_sampling_client_async
-
-    async def counted(self: treadle.TrainingClient) -> treadle.SamplingClient:
-        saves.append(1)
-        return await save(self)
-
-    monkeypatch.setattr(
-        treadle.TrainingClient, "save_weights_and_get_sampling_client_async", counted
-    )
     # Greedy rollouts: the samples of a problem are all alike, so every group is constant.
     extra = ["--steps=2", "--groups_per_step=4", "--group_size=4", "--temperature=0"]
     math_grpo.main(recipe_args(server, api_key, tmp_path, *extra, "--eval_problems=10"))
     rows = [r for r in metrics.read(tmp_path) if "reward" in r]
     assert [r["frac_constant_dropped"] for r in rows] == [1.0, 1.0]
-    assert len(saves) == 1  # the initial weights' snapshot only
+    assert len(sampler_saves) == 1  # the initial weights' snapshot only
 
 
 def test_overlapped_run_resumes_after_a_kill(
