@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, and_, case, func, literal, literal_column, or_, select
+from sqlalchemy.orm import InstrumentedAttribute
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.storage import CATCH_UP, STORAGE, hour_of
@@ -295,24 +296,12 @@ def _late_storage_hour(db: OrmSession, now: datetime, before: datetime) -> datet
     usual case, end the search), then hour by hour for the tenants that differ."""
     since = max(hour_of(now) - CATCH_UP, _oldest_pushable(now))
     latest = _latest_accepted_hour(STORAGE)
-    # The literal kind lets SQLite see that the storage events' partial index applies.
-    storage_events = and_(
-        UsageEvent.tenant_id == Tenant.id,
-        UsageEvent.kind == literal_column(f"'{STORAGE}'"),
-        UsageEvent.price_id.is_not(None),
-        UsageEvent.hour >= since,
-        UsageEvent.hour < before,
-        UsageEvent.hour <= latest,
+    used = select(func.sum(UsageEvent.amount_micros)).where(
+        _storage_events(Tenant.id, since, before), UsageEvent.hour <= latest
     )
-    storage_parts = and_(
-        StripeMeterPush.tenant_id == Tenant.id,
-        StripeMeterPush.kind == STORAGE,
-        StripeMeterPush.accepted_at.is_not(None),
-        StripeMeterPush.hour >= since,
-        StripeMeterPush.hour < before,
+    taken = select(func.sum(StripeMeterPush.value_micros)).where(
+        _storage_parts(Tenant.id, since, before)
     )
-    used = select(func.sum(UsageEvent.amount_micros)).where(storage_events)
-    taken = select(func.sum(StripeMeterPush.value_micros)).where(storage_parts)
     short_tenants = db.scalars(
         select(Tenant.id).where(
             Tenant.stripe_customer_id.is_not(None),
@@ -339,30 +328,46 @@ def _short_storage_hour(
         hour: int(total)
         for hour, total in db.execute(
             select(StripeMeterPush.hour, func.sum(StripeMeterPush.value_micros))
-            .where(
-                StripeMeterPush.tenant_id == tenant_id,
-                StripeMeterPush.kind == STORAGE,
-                StripeMeterPush.accepted_at.is_not(None),
-                StripeMeterPush.hour >= since,
-                StripeMeterPush.hour < before,
-            )
+            .where(_storage_parts(tenant_id, since, before))
             .group_by(StripeMeterPush.hour)
         )
     }
     for hour, amount in db.execute(
         select(UsageEvent.hour, UsageEvent.amount_micros)
-        .where(
-            UsageEvent.tenant_id == tenant_id,
-            UsageEvent.kind == literal_column(f"'{STORAGE}'"),
-            UsageEvent.price_id.is_not(None),
-            UsageEvent.hour >= since,
-            UsageEvent.hour < before,
-        )
+        .where(_storage_events(tenant_id, since, before))
         .order_by(UsageEvent.hour)
     ):
         if int(amount) > taken.get(hour, 0):
             return hour
     return None
+
+
+def _storage_events(
+    tenant: InstrumentedAttribute[str] | str, since: datetime, before: datetime
+) -> ColumnElement[bool]:
+    """A tenant's priced storage events of the hours in [since, before); `tenant` is an id, or
+    `Tenant.id` in a subquery correlated with the tenants."""
+    # The literal kind lets SQLite see that the storage events' partial index applies.
+    return and_(
+        UsageEvent.tenant_id == tenant,
+        UsageEvent.kind == literal_column(f"'{STORAGE}'"),
+        UsageEvent.price_id.is_not(None),
+        UsageEvent.hour >= since,
+        UsageEvent.hour < before,
+    )
+
+
+def _storage_parts(
+    tenant: InstrumentedAttribute[str] | str, since: datetime, before: datetime
+) -> ColumnElement[bool]:
+    """A tenant's storage parts Stripe accepted for the hours in [since, before)."""
+    return and_(
+        StripeMeterPush.tenant_id == tenant,
+        StripeMeterPush.kind == STORAGE,
+        StripeMeterPush.accepted_at.is_not(None),
+        StripeMeterPush.hour >= since,
+        StripeMeterPush.hour < before,
+    )
 
 
 def _unconfirmed(db: OrmSession, now: datetime) -> tuple[int, list[UnconfirmedPart]]:
