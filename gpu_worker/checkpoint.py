@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +107,38 @@ def load_adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix(PEFT_PREFIX): v for k, v in raw.items()}
 
 
-def load_optimizer_state(
-    adapter: LoraAdapter, optimizer: torch.optim.Optimizer, folder: Path
-) -> None:
+@dataclass
+class SavedState:
+    """A state folder read into memory (CPU tensors): what `Engine.load_state_tensors` needs,
+    without the folder. `optimizer` is None when the moments were not asked for."""
+
+    folder: Path
+    meta: dict
+    adapter: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor] | None
+
+
+def read_state(folder: Path, include_optimizer: bool) -> SavedState:
+    meta = read_meta(folder)
+    optimizer = read_optimizer_tensors(folder) if include_optimizer else None
+    return SavedState(folder, meta, load_adapter_tensors(folder), optimizer)
+
+
+def read_optimizer_tensors(folder: Path) -> dict[str, torch.Tensor]:
     path = folder / OPTIMIZER_FILE
     if not path.exists():
         raise UserInputError(
             f"{folder} holds no optimizer state; load it without the optimizer "
             "or pick a state saved with include_optimizer=True"
         )
-    tensors = load_file(str(path))
+    return load_file(str(path))
+
+
+def apply_optimizer_state(
+    adapter: LoraAdapter, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Replace the optimizer's moments with `tensors` (as `read_optimizer_tensors` returns
+    them), copied onto the adapter's device."""
     names = [f"{n}.{ab}" for n in sorted(adapter.weights) for ab in ("lora_A", "lora_B")]
     optimizer.state.clear()
     device = adapter.parameters()[0].device

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from gpu_worker.protocol import (
 from gpu_worker.sampling import Job, Sampler, resolve_stop
 from gpu_worker.training import TrainOp, run_ops
 from gpu_worker.validation import (
-    CheckedDatum,
+    CheckedOp,
     check_adam,
     check_datums,
     check_lora_spec,
@@ -98,12 +99,9 @@ class _Run:
     steps: int = 0
 
 
-@dataclass
-class _Prepared:
-    op: ForwardBackwardOp
-    run: _Run
-    datums: list[CheckedDatum]
-    config: dict[str, float]
+# Called with a run's adapter parameters before optim_step reads their gradients; it may set
+# or replace each `.grad` (a worker group sums the ranks' gradients here).
+GradReduce = Callable[[list[torch.nn.Parameter]], None]
 
 
 class Engine:
@@ -237,27 +235,52 @@ class Engine:
 
     def _single(self, op: ForwardBackwardOp) -> ForwardBackwardResult:
         with self._lock:
-            prepared = self._prepare(op)
-            return self._execute([prepared])[0]
+            checked = self._prepare(op)
+            return self._execute([checked])[0]
 
     def forward_backward_batch(
         self, ops: list[ForwardBackwardOp]
     ) -> list[ForwardBackwardResult | OpError]:
         """Run several ops (several runs) in as few passes as possible; one result per op."""
         with self._lock:
-            results: list[ForwardBackwardResult | OpError | None] = [None] * len(ops)
-            groups: dict[tuple[str, bool], list[tuple[int, _Prepared]]] = {}
-            for i, op in enumerate(ops):
+            return self.execute_checked(self.prepare_batch(ops))
+
+    def prepare_batch(self, ops: list[ForwardBackwardOp]) -> list[CheckedOp | OpError]:
+        """Validate each op on its own: its checked form, or why it is refused. Nothing
+        changes; a worker group validates the whole op here, on one rank, because validation
+        looks across an op's datums (clip thresholds spread to all once any datum sends one)."""
+        with self._lock:
+            prepared: list[CheckedOp | OpError] = []
+            for op in ops:
                 try:
-                    p = self._prepare(op)
+                    prepared.append(self._prepare(op))
+                except UserInputError as exc:
+                    prepared.append(OpError.of_input(exc))
+                except Exception as exc:  # this op alone fails; its batch-mates still run
+                    log.exception("preparing forward_backward of %s failed", op.run_id)
+                    prepared.append(OpError("server", f"{type(exc).__name__}: {exc}"))
+            return prepared
+
+    def execute_checked(
+        self, ops: list[CheckedOp | OpError]
+    ) -> list[ForwardBackwardResult | OpError]:
+        """Run validated ops (OpErrors pass through) in as few passes as possible: one
+        multi-LoRA batch per base model and direction. When a batch fails its ops are retried
+        one by one, so each op fails or succeeds on its own and a failed op leaves its run's
+        gradients as they were."""
+        with self._lock:
+            results: list[ForwardBackwardResult | OpError | None] = [None] * len(ops)
+            groups: dict[tuple[str, bool], list[tuple[int, CheckedOp]]] = {}
+            for i, op in enumerate(ops):
+                if isinstance(op, OpError):
+                    results[i] = op
+                    continue
+                try:
+                    model_name = self._run(op.run_id).model.name
                 except UserInputError as exc:
                     results[i] = OpError.of_input(exc)
                     continue
-                except Exception as exc:  # this op alone fails; its batch-mates still run
-                    log.exception("preparing forward_backward of %s failed", op.run_id)
-                    results[i] = OpError("server", f"{type(exc).__name__}: {exc}")
-                    continue
-                groups.setdefault((p.run.model.name, op.forward_only), []).append((i, p))
+                groups.setdefault((model_name, op.forward_only), []).append((i, op))
             for members in groups.values():
                 try:
                     outs = self._execute([p for _, p in members])
@@ -278,31 +301,43 @@ class Engine:
                 r if r is not None else OpError("server", "op was not executed") for r in results
             ]
 
-    def _prepare(self, op: ForwardBackwardOp) -> _Prepared:
+    def _prepare(self, op: ForwardBackwardOp) -> CheckedOp:
         run = self._run(op.run_id)
         config = check_loss_config(op.loss_fn, op.loss_fn_config)
         info = run.model.info
         datums = check_datums(op.data, op.loss_fn, info.vocab_size, info.max_context_length, config)
-        return _Prepared(op, run, datums, config)
+        return CheckedOp(op.run_id, op.loss_fn, config, datums, op.forward_only)
 
-    def _execute(self, prepared: list[_Prepared]) -> list[ForwardBackwardResult]:
-        m = prepared[0].run.model
-        ops = [TrainOp(p.run.adapter, p.datums, p.op.loss_fn, p.config) for p in prepared]
+    def _execute(self, checked: list[CheckedOp]) -> list[ForwardBackwardResult]:
+        runs = [self._run(c.run_id) for c in checked]
+        m = runs[0].model
+        ops = [
+            TrainOp(run.adapter, c.datums, c.loss_fn, c.config)
+            for run, c in zip(runs, checked, strict=True)
+        ]
         return run_ops(
             m.model,
             m.ctx,
             ops,
-            backward=not prepared[0].op.forward_only,
+            backward=not checked[0].forward_only,
             device=self.device,
             autocast_dtype=self.autocast_dtype,
             max_tokens_per_pass=self.max_tokens_per_pass,
         )
 
-    def optim_step(self, run_id: str, adam: AdamParams) -> OptimStepResult:
+    def optim_step(
+        self, run_id: str, adam: AdamParams, reduce: GradReduce | None = None
+    ) -> OptimStepResult:
+        """Clip the accumulated gradient to `adam.grad_clip_norm`, take one AdamW step and
+        clear the gradients. `reduce` sees the parameters first, before the norm, so a worker
+        group's ranks clip and step on the summed gradient and make the same decisions
+        (including refusing a non-finite one)."""
         with self._lock:
             run = self._run(run_id)
             check_adam(adam)
             params = run.adapter.parameters()
+            if reduce is not None:
+                reduce(params)
             grads = [p.grad for p in params if p.grad is not None]
             norm = (
                 torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -418,9 +453,14 @@ class Engine:
         prompt = check_tokens(req.prompt, info.vocab_size, info.max_context_length, "prompt")
         check_sampling(req.params, prompt.size, info.max_context_length, req.num_samples)
         stop_ids, stop_strings = resolve_stop(req.params.stop, self._eos(m))
+        params = req.params
+        if params.seed is None:
+            # drawn here, when the job is made, rather than when the sampler admits it, so
+            # the engine that accepts a job fixes its noise (and can hand the seed on)
+            params = replace(params, seed=secrets.randbits(62))
         job = Job(
             prompt.tolist(),
-            req.params,
+            params,
             req.num_samples,
             adapter,
             stop_ids,
@@ -474,8 +514,17 @@ class Engine:
     ) -> None:
         """Replace (or create) the run from a saved state; gradients are cleared."""
         with self._lock:
-            folder = Path(path)
-            meta = checkpoint.read_meta(folder)
+            state = checkpoint.read_state(Path(path), include_optimizer)
+            self.load_state_tensors(run_id, state, base_model)
+
+    def load_state_tensors(
+        self, run_id: str, state: checkpoint.SavedState, base_model: str | None = None
+    ) -> None:
+        """`load_state` from a state already read into memory: a worker group's rank 0 reads
+        the folder once and sends the tensors to the other ranks, which need no access to it.
+        The optimizer moments (and step count) are restored when the state holds them."""
+        with self._lock:
+            meta = state.meta
             spec = checkpoint.spec_from_meta(meta)
             check_lora_spec(spec, self.settings.max_lora_rank)
             name = base_model or (
@@ -484,13 +533,13 @@ class Engine:
             m = self._model(name)
             if self.catalog.resolve(meta["base_model"]).name != m.name:
                 raise UserInputError(
-                    f"state at {folder} was trained on {meta['base_model']}, "
+                    f"state at {state.folder} was trained on {meta['base_model']}, "
                     f"not {m.name}; load it into a run on that base model"
                 )
             run = self._new_run(run_id, m, spec)
-            run.adapter.load_named_tensors(checkpoint.load_adapter_tensors(folder))
-            if include_optimizer:
-                checkpoint.load_optimizer_state(run.adapter, run.optimizer, folder)
+            run.adapter.load_named_tensors(state.adapter)
+            if state.optimizer is not None:
+                checkpoint.apply_optimizer_state(run.adapter, run.optimizer, state.optimizer)
                 run.steps = int(meta.get("optim_steps", 0))
             if run_id in self._runs:
                 self._loops.freeze(self._runs[run_id].adapter)

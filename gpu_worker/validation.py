@@ -38,6 +38,20 @@ class CheckedDatum:
     inputs: dict[str, np.ndarray]  # target_tokens int64, float keys float32
 
 
+@dataclass
+class CheckedOp:
+    """One forward or forward_backward op after validation: its checked datums and loss
+    config, with the run named by id. It holds numpy arrays and no torch objects, so a worker
+    group's rank 0 can validate an op once and send each rank a slice of its datums (the
+    engine's `execute_checked` runs it wherever a replica of the run lives)."""
+
+    run_id: str
+    loss_fn: str
+    config: dict[str, float]
+    datums: list[CheckedDatum]
+    forward_only: bool = False
+
+
 def check_tokens(tokens: object, vocab_size: int, max_context: int, what: str) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.ndim != 1 or arr.size == 0:
