@@ -138,3 +138,14 @@ def next_token_logprobs(
     np.put_along_axis(out_TV, ids_TK[1:], logprobs_TK[1:], axis=1)  # row 0 predicts nothing
     assert not np.isnan(out_TV).any()
     return out_TV
+
+
+def assert_same_loss(got: ForwardBackwardResult, want: ForwardBackwardResult) -> None:
+    """`loss:sum` equal to 1e-6 of the size of its terms (Σ|elementwise loss|), and per-datum
+    logprobs to 1e-5: results summed in another order (other passes, other ranks) differ by
+    float32 rounding, which scales with the terms, not with a total where they cancel (an RL
+    loss over advantages of both signs)."""
+    size = sum(float(np.abs(out["elementwise_loss"]).sum()) for out in want.loss_fn_outputs)
+    assert abs(got.metrics["loss:sum"] - want.metrics["loss:sum"]) <= 1e-6 * size
+    for g, w in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(g["logprobs"], w["logprobs"], rtol=1e-5, atol=1e-6)
