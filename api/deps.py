@@ -39,7 +39,9 @@ class AppState:
     readiness: Readiness
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # A coroutine, so FastAPI calls it on the event loop: a plain function would cost every
+    # request a hop to the thread pool and back for one attribute read.
     state: AppState = request.app.state.treadle
     return state
 

@@ -21,12 +21,10 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
-from sqlalchemy.orm import Session as OrmSession
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import State
 from core.settings import Settings
-from core.tables import Operation, OpStatus
 from scheduler.metrics import LATENCY_BUCKETS
 from scheduler.submit import Submitted
 
@@ -112,21 +110,11 @@ class RequestMetrics:
                 REFUSALS.labels(str(status), _reason(bytes(refusal)), route).inc()
 
 
-def new_op_kind(db: OrmSession, submitted: Submitted) -> str | None:
-    """The kind of the op just queued, to count once the submission commits; None for a
-    resubmission, or for a request failed as it arrived (a training request whose seq_id came
-    after its gap was released): it never waits in the queue, and no worker records it, so
-    submitted minus finished stays the ops in flight. The op is in the session's identity map:
-    no query is made."""
-    if submitted.duplicate:
-        return None
-    op = db.get(Operation, submitted.request_id)
-    return None if op is None or op.status != OpStatus.QUEUED else op.kind
-
-
-def count_submitted(kind: str | None) -> None:
-    if kind is not None:
-        OPS_SUBMITTED.labels(kind).inc()
+def count_submitted(submitted: Submitted) -> None:
+    """Count a new op once its submission committed. Resubmissions and requests failed as they
+    arrived are not counted, so submitted minus finished stays the ops in flight."""
+    if submitted.queued_kind is not None:
+        OPS_SUBMITTED.labels(submitted.queued_kind).inc()
 
 
 router = APIRouter()

@@ -231,8 +231,7 @@ def in_submission(state: AppState, work: Work) -> tuple[str, Submitted]:
     with state.database.transaction() as db:
         target_id, submitted = work(db)
         worker = state.dispatcher.assign(db, target_id)
-        kind = metrics.new_op_kind(db, submitted)
-    metrics.count_submitted(kind)
+    metrics.count_submitted(submitted)
     state.dispatcher.wake(worker)
     request_context.note_op(submitted.request_id, target_id)
     return target_id, submitted

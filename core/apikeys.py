@@ -15,7 +15,7 @@ import re
 import secrets
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session as OrmSession
 
 from core import audit
@@ -95,6 +95,24 @@ def issue_api_key(
     return row, f"{KEY_PREFIX}{key_id}-{secret}"
 
 
+# One indexed read of just the columns needed. It runs on every request, so the statement is
+# built once: building it and deriving its cache key cost more than running it.
+_KEY_AND_TENANT = (
+    select(
+        ApiKey.secret_hash,
+        ApiKey.revoked_at,
+        ApiKey.tenant_id,
+        ApiKey.scope,
+        ApiKey.last_used_at,
+        Tenant.disabled,
+        Tenant.spend_limit_micros,
+        Tenant.session_spend_limit_micros,
+    )
+    .join(Tenant, Tenant.id == ApiKey.tenant_id)
+    .where(ApiKey.id == bindparam("key_id"))
+)
+
+
 def authenticate(
     db: OrmSession, clock: Clock, server_secret: bytes, raw_key: str | None
 ) -> Principal:
@@ -107,21 +125,7 @@ def authenticate(
             "`treadle-server admin keys create`"
         )
     key_id, secret = match.groups()
-    # One indexed read of just the columns needed: this runs on every request.
-    row = db.execute(
-        select(
-            ApiKey.secret_hash,
-            ApiKey.revoked_at,
-            ApiKey.tenant_id,
-            ApiKey.scope,
-            ApiKey.last_used_at,
-            Tenant.disabled,
-            Tenant.spend_limit_micros,
-            Tenant.session_spend_limit_micros,
-        )
-        .join(Tenant, Tenant.id == ApiKey.tenant_id)
-        .where(ApiKey.id == key_id)
-    ).one_or_none()
+    row = db.execute(_KEY_AND_TENANT, {"key_id": key_id}).one_or_none()
     # Compare even when the row is missing so timing does not reveal which key ids exist.
     expected = row.secret_hash if row is not None else "0" * 64
     valid = hmac.compare_digest(expected, _hash_secret(server_secret, secret))

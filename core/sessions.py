@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
@@ -197,10 +197,15 @@ def _ago(now: datetime, then: datetime) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
+# Read on every submission: built once, as building it and deriving its cache key cost more
+# than running it.
+_OWNED = select(Session).where(
+    Session.id == bindparam("session_id"), Session.tenant_id == bindparam("tenant_id")
+)
+
+
 def _owned(db: OrmSession, tenant_id: str, session_id: str) -> Session:
-    session = db.scalar(
-        select(Session).where(Session.id == session_id, Session.tenant_id == tenant_id)
-    )
+    session = db.scalar(_OWNED, {"session_id": session_id, "tenant_id": tenant_id})
     if session is None:
         raise NotFound(f"session {session_id!r} not found; create one with create_session")
     return session

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session as OrmSession
 
 from billing.tables import UsageEvent
@@ -30,22 +30,32 @@ class FutureState:
     under `COST_KEY` (`{}` when it bills nothing)."""
 
 
+# Every long-poll reads these: built once, as building a statement and deriving its cache key
+# cost more than running it.
+_STATE = select(
+    Operation.status,
+    Operation.result,
+    Operation.result_codec,
+    Operation.error_code,
+    Operation.error_category,
+    Operation.error_message,
+    Operation.target_id,
+).where(Operation.id == bindparam("op_id"), Operation.tenant_id == bindparam("tenant_id"))
+_USAGE = select(UsageEvent.kind, UsageEvent.quantity, UsageEvent.amount_micros).where(
+    UsageEvent.operation_id == bindparam("op_id")
+)
+_RUN_HOLDER = select(TrainingRun.worker_id).where(TrainingRun.id == bindparam("target_id"))
+_SAMPLER_HOLDER = select(SamplingSession.worker_id).where(
+    SamplingSession.id == bindparam("target_id")
+)
+
+
 def read_future(
     db: OrmSession, tenant_id: str, request_id: str, *, placed: bool = False
 ) -> FutureState:
     """The op's state. With `placed`, a queued op whose target no worker holds reports
     `paused_capacity` (distributed mode, while no live worker can take it)."""
-    row = db.execute(
-        select(
-            Operation.status,
-            Operation.result,
-            Operation.result_codec,
-            Operation.error_code,
-            Operation.error_category,
-            Operation.error_message,
-            Operation.target_id,
-        ).where(Operation.id == request_id, Operation.tenant_id == tenant_id)
-    ).one_or_none()
+    row = db.execute(_STATE, {"op_id": request_id, "tenant_id": tenant_id}).one_or_none()
     if row is None:
         raise NotFound(
             f"request {request_id!r} not found; it was never submitted with this key's account"
@@ -54,11 +64,7 @@ def read_future(
     if status == OpStatus.DONE:
         # Read with the state, in the caller's transaction: the ledger rows are written in the
         # transaction that stores the result, so a done op's usage is complete here.
-        events = db.execute(
-            select(UsageEvent.kind, UsageEvent.quantity, UsageEvent.amount_micros).where(
-                UsageEvent.operation_id == request_id
-            )
-        ).all()
+        events = db.execute(_USAGE, {"op_id": request_id}).all()
         usage = {kind: int(quantity) for kind, quantity, _ in events}
         if events:
             usage[COST_KEY] = sum(int(amount) for _, _, amount in events)
@@ -66,11 +72,9 @@ def read_future(
     if status == OpStatus.FAILED:
         return FutureState(done=True, failure=OpFailure.stored(code, category, message))
     if placed and status == OpStatus.QUEUED:
-        holder = db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == target_id))
+        holder = db.scalar(_RUN_HOLDER, {"target_id": target_id})
         if holder is None:
-            holder = db.scalar(
-                select(SamplingSession.worker_id).where(SamplingSession.id == target_id)
-            )
+            holder = db.scalar(_SAMPLER_HOLDER, {"target_id": target_id})
         if holder is None:
             return FutureState(done=False, queue_state="paused_capacity")
     return FutureState(done=False)

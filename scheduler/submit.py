@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
@@ -37,6 +37,9 @@ RETRY_AFTER_SECONDS = 1.0
 class Submitted:
     request_id: str
     duplicate: bool
+    queued_kind: str | None = None
+    """The kind of a new op left queued; None for a resubmission, and for a request failed as it
+    arrived (it never waits in the queue, and no worker records it)."""
 
 
 def submit(
@@ -98,7 +101,7 @@ def submit(
         if existing is None:
             raise
         return Submitted(existing.id, duplicate=True)
-    return Submitted(op.id, duplicate=False)
+    return Submitted(op.id, duplicate=False, queued_kind=kind.value)
 
 
 def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) -> Tenant | None:
@@ -145,12 +148,16 @@ def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) ->
     return tenant
 
 
+# Looked up on every submission: built once (see `_existing`).
+_AT_SEQ = select(Operation).where(
+    Operation.target_id == bindparam("target_id"), Operation.seq_id == bindparam("seq_id")
+)
+
+
 def _existing(
     db: OrmSession, tenant_id: str, target_id: str, seq_id: int, kind: OpKind
 ) -> Operation | None:
-    existing = db.scalar(
-        select(Operation).where(Operation.target_id == target_id, Operation.seq_id == seq_id)
-    )
+    existing = db.scalar(_AT_SEQ, {"target_id": target_id, "seq_id": seq_id})
     if existing is None:
         return None
     if existing.tenant_id != tenant_id:
@@ -211,5 +218,6 @@ def submit_training_op(
             clock.now(),
         )
         log.warning("late arrival of seq %s on %s after its gap was released", seq_id, run.id)
+        submitted = dataclasses.replace(submitted, queued_kind=None)
     runs.touch(run, clock.now())
     return submitted

@@ -79,13 +79,14 @@ class EmbeddedDispatcher:
         self._host = host
         self._ready.set()
         while not self._stop.is_set():
+            # Cleared before draining: a wake-up that comes while drain() runs stays set, so
+            # the next wait returns at once (cleared after the wait, it could be lost).
+            self._wake.clear()
             try:
                 host.drain()  # until nothing is ready
             except Exception:
                 log.exception("engine step failed")
-            # A wake-up that came after drain() last looked is still set: no wait then.
             self._wake.wait(self._idle_poll)
-            self._wake.clear()
 
 
 def embedded_dispatcher(

@@ -577,18 +577,29 @@ class WorkerHost:
 
     def _record(self, task: Task, outcome: Outcome) -> SnapshotDue | None:
         try:
-            due = self._store(task, outcome)
+            stored = self._store(task, outcome)
         except TreadleError as exc:
             # The engine work succeeded but its bookkeeping was refused (e.g. a checkpoint name
             # taken meanwhile): report it as the op's error, leaving the rest unchanged.
-            due = self._store(task, Outcome.failed(OpFailure.of(exc)))
+            outcome = Outcome.failed(OpFailure.of(exc))
+            stored = self._store(task, outcome)
         self._unrecorded.pop(task.id, None)
+        # The client waits on this: wake it before counting and logging.
         self.notifier.publish(task.id)
+        if stored is None:
+            return None  # already recorded (a redelivery): counted and logged then
+        recorded, due = stored
+        # Once committed: a record rolled back is made again (or never) and counted then.
+        metrics.observe_recorded(recorded)
+        op_lines.log_recorded(task, recorded, outcome.error, self.worker_id)
         return due
 
-    def _store(self, task: Task, outcome: Outcome) -> SnapshotDue | None:
-        """Record the outcome, its usage and the run's progress in one transaction; says
-        whether the run's state is due for a snapshot (every few successful optimizer steps)."""
+    def _store(
+        self, task: Task, outcome: Outcome
+    ) -> tuple[metrics.RecordedOp, SnapshotDue | None] | None:
+        """Record the outcome, its usage and the run's progress in one transaction; returns
+        what the metrics count of it and whether the run's state is due for a snapshot (every
+        few successful optimizer steps), or None when it was already recorded."""
         now = self.clock.now()
         with self.database.transaction() as db:
             if outcome.error is not None:
@@ -618,7 +629,4 @@ class WorkerHost:
             due = None
             if run is not None and stepped and not run.optim_steps % self.snapshot_every_steps:
                 due = SnapshotDue(previous=run.snapshot_uri)
-        # Once committed: a record rolled back is made again (or never) and counted then.
-        metrics.observe_recorded(recorded)
-        op_lines.log_recorded(task, recorded, outcome.error, self.worker_id)
-        return due
+        return recorded, due

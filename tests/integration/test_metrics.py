@@ -19,9 +19,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 import treadle
-from api import metrics as api_metrics
 from billing.tables import UsageEvent
-from core.tables import Operation, TrainingRun
+from core.tables import Operation, OpStatus, TrainingRun
 from scheduler import fleet
 from scheduler.beat import run_beat
 from scheduler.fleet_gauges import FleetGauges
@@ -371,6 +370,9 @@ def test_a_late_arrival_is_not_counted_as_submitted(sqlite_url: str) -> None:
     rows.executed(run, 5)  # seq 1..4 never came; their gap was released
     late = rows.training_op(run, 3)  # failed as it arrives: never queued, never recorded
     queued = rows.training_op(run, 6)
+    assert late.queued_kind is None and not late.duplicate
+    assert queued.queued_kind == "optim_step"
+    assert rows.training_op(run, 6).queued_kind is None  # a resubmission
     with rows.database.reader() as db:
-        assert api_metrics.new_op_kind(db, late) is None
-        assert api_metrics.new_op_kind(db, queued) == "optim_step"
+        statuses = {op.seq_id: op.status for op in db.scalars(select(Operation))}
+    assert statuses[3] == OpStatus.FAILED and statuses[6] == OpStatus.QUEUED
