@@ -1,0 +1,343 @@
+"""A worker group of two gloo ranks (spawned processes) against one engine: five training steps
+of three runs batched together, checkpoints both ways, a failure injected on rank 1, a
+non-finite gradient on rank 1, and replicas bitwise equal at the end.
+
+The group is started once per module: rank 0 drives a scripted session through `GroupEngine`
+and records what it saw, both ranks write their replicas, and the tests compare that with the
+session-wide engine of `conftest` running the same calls.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.engine import Engine, EngineSettings
+from gpu_worker.protocol import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOp,
+    ForwardBackwardResult,
+    LoraSpec,
+    OpError,
+    UserInputError,
+)
+from tests.gpu_worker.helpers import TINY, VOCAB, assert_same_loss, training_run
+
+pytestmark = pytest.mark.unit
+
+WORLD = 2
+TIMEOUT = timedelta(seconds=60)  # every collective; a broken test fails instead of hanging
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+STEPS = 5
+RUNS = {  # run id: loss, LoRA rank
+    "ce": ("cross_entropy", 8),
+    "ppo": ("ppo", 4),
+    "gspo": ("gspo", 2),
+}
+VICTIM, BYSTANDER, NAN_RUN = "victim", "bystander", "nan-run"
+
+
+def datums(seed: int, loss: str, n: int = 6) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        T = int(rng.integers(6, 30))
+        inputs: dict[str, np.ndarray] = {"target_tokens": rng.integers(0, VOCAB, T)}
+        if loss == "cross_entropy":
+            inputs["weights"] = rng.uniform(0, 1, T).astype(np.float32)
+        else:
+            inputs["logprobs"] = -rng.uniform(5, 8, T).astype(np.float32)
+            inputs["advantages"] = rng.normal(size=T).astype(np.float32)
+        out.append(Datum(rng.integers(0, VOCAB, T), inputs))
+    return out
+
+
+def step_ops(step: int, runs: dict[str, tuple[str, int]] = RUNS) -> list[ForwardBackwardOp]:
+    return [
+        ForwardBackwardOp(run, datums(100 * step + i, loss), loss)
+        for i, (run, (loss, _)) in enumerate(runs.items())
+    ]
+
+
+def lora(rank: int) -> LoraSpec:
+    return LoraSpec(rank=rank, seed=rank)
+
+
+# --- what the ranks run -----------------------------------------------------------------
+
+
+def _drive(group: Any, out: Path) -> dict[str, Any]:
+    """Rank 0's session, through the GroupEngine; returns what it saw."""
+    seen: dict[str, Any] = {"fb": [], "optim": [], "pending": []}
+    for run, (_, rank) in RUNS.items():
+        group.create_run(run, TINY, lora(rank))
+    for step in range(STEPS):
+        seen["fb"].append(group.forward_backward_batch(step_ops(step)))
+        seen["pending"].append([group.gradients_pending(run) for run in RUNS])
+        seen["optim"].append([group.optim_step(run, ADAM).metrics for run in RUNS])
+    seen["pending_after"] = [group.gradients_pending(run) for run in RUNS]
+    seen["after_steps"] = {
+        run: {k: v.clone() for k, v in group.adapter(run).named_tensors().items()} for run in RUNS
+    }
+
+    # a checkpoint written by the group, then one more step on it
+    group.save_state("ce", out / "group_ckpt")
+    seen["ce_next"] = group.forward_backward("ce", datums(777, "cross_entropy"))
+    group.optim_step("ce", ADAM)
+
+    # a checkpoint written by one engine, loaded into the group, then one more step on it
+    group.load_state("loaded", out / "single_ckpt")
+    seen["loaded_steps"] = group.steps("loaded")
+    seen["loaded_next"] = group.forward_backward("loaded", datums(778, "cross_entropy"))
+    group.optim_step("loaded", ADAM)
+
+    # an op failing on rank 1 only: it fails, its batch-mate does not, gradients go back
+    group.create_run(VICTIM, TINY, lora(4))
+    group.create_run(BYSTANDER, TINY, lora(4))
+    group.forward_backward(VICTIM, datums(900, "cross_entropy"))
+    (out / "inject-fail").touch()
+    try:
+        seen["injected"] = group.forward_backward_batch(
+            [
+                ForwardBackwardOp(VICTIM, datums(901, "cross_entropy")),
+                ForwardBackwardOp(BYSTANDER, datums(902, "cross_entropy")),
+            ]
+        )
+    finally:
+        (out / "inject-fail").unlink()
+    seen["victim_pending"] = group.gradients_pending(VICTIM)
+
+    # a gradient that is not finite on rank 1 only: both ranks refuse the step alike
+    group.create_run(NAN_RUN, TINY, lora(2))
+    (out / "inject-nan").touch()
+    try:
+        group.forward_backward(NAN_RUN, datums(903, "cross_entropy"))
+    finally:
+        (out / "inject-nan").unlink()
+    try:
+        group.optim_step(NAN_RUN, ADAM)
+        seen["nan_refused"] = None
+    except UserInputError as exc:
+        seen["nan_refused"] = str(exc)
+    seen["nan_pending"] = group.gradients_pending(NAN_RUN)
+    group.forward_backward(NAN_RUN, datums(904, "cross_entropy"))  # the group still works
+    seen["nan_after"] = group.optim_step(NAN_RUN, ADAM).metrics
+    return seen
+
+
+def _inject_on_rank_1(engine: Engine, out: Path) -> None:
+    """Rank 1's engine fails passes holding the victim, or poisons gradients, while the
+    driver's marker files exist (rank 0 creates them before sending the op)."""
+    execute = engine._execute
+
+    def injected(checked: list[Any]) -> list[ForwardBackwardResult]:
+        if (out / "inject-fail").exists() and any(c.run_id == VICTIM for c in checked):
+            raise RuntimeError("injected failure on rank 1")
+        results = execute(checked)
+        if (out / "inject-nan").exists():
+            for c in checked:
+                for p in engine.adapter(c.run_id).parameters():
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+        return results
+
+    setattr(engine, "_execute", injected)  # noqa: B010 (an instance attribute, on purpose)
+
+
+def _rank_main(rank: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from gpu_worker.group import GroupComm, GroupEngine, follow
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'rendezvous'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=TIMEOUT,
+    )
+    try:
+        engine = Engine(EngineSettings(device="cpu", precision="fp32", num_threads=1))
+        comm = GroupComm(idle_timeout=TIMEOUT)
+        if rank == 0:
+            group = GroupEngine(engine, comm)
+            try:
+                seen = _drive(group, out)
+            finally:
+                group.close()
+            (out / "seen.pkl").write_bytes(pickle.dumps(seen))
+        else:
+            _inject_on_rank_1(engine, out)
+            follow(engine, comm)
+        grads = {}
+        for run in engine.run_ids():
+            engine.save_state(run, out / f"rank{rank}" / run)
+            grads[run] = [p.grad for p in engine.adapter(run).parameters()]
+        torch.save(grads, out / f"rank{rank}" / "grads.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the test side ----------------------------------------------------------------------
+
+
+def _start_group(out: Path) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        _rank_main, args=(out,), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the worker group did not finish in 240 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(10)
+
+
+@pytest.fixture(scope="module")
+def group_dir(tmp_path_factory, engine) -> Path:
+    out = tmp_path_factory.mktemp("group")
+    with training_run(engine, "to-load", lora(4)):
+        for step in range(2):
+            engine.forward_backward("to-load", datums(500 + step, "cross_entropy"))
+            engine.optim_step("to-load", ADAM)
+        engine.save_state("to-load", out / "single_ckpt")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _start_group(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def seen(group_dir) -> dict[str, Any]:
+    return pickle.loads((group_dir / "seen.pkl").read_bytes())
+
+
+def _grads(engine: Engine, run: str) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in engine.adapter(run).parameters() if p.grad is not None]
+
+
+def _group_grads(group_dir: Path, run: str) -> list[torch.Tensor]:
+    """The run's gradient summed over the ranks' replicas."""
+    per_rank = [torch.load(group_dir / f"rank{r}" / "grads.pt")[run] for r in range(WORLD)]
+    return [sum(g for g in grads if g is not None) for grads in zip(*per_rank, strict=True)]
+
+
+def test_five_steps_of_three_runs_equal_one_engine(engine, seen):
+    names = {run: f"group-ref-{run}" for run in RUNS}
+    for run, (_, rank) in RUNS.items():
+        engine.create_run(names[run], TINY, lora(rank))
+    try:
+        for step in range(STEPS):
+            ops = [ForwardBackwardOp(names[o.run_id], o.data, o.loss_fn) for o in step_ops(step)]
+            for got, want in zip(seen["fb"][step], engine.forward_backward_batch(ops), strict=True):
+                assert isinstance(got, ForwardBackwardResult)
+                assert isinstance(want, ForwardBackwardResult)
+                assert_same_loss(got, want)
+                assert got.usage == want.usage
+            for run, metrics in zip(RUNS, seen["optim"][step], strict=True):
+                want_metrics = engine.optim_step(names[run], ADAM).metrics
+                # float32 drift grows with the steps (Adam divides small gradients by small
+                # moments): 1e-7 relative at the first step, near 2e-5 by the fifth
+                assert metrics["grad_norm:mean"] == pytest.approx(
+                    want_metrics["grad_norm:mean"], rel=1e-4
+                )
+                assert metrics["step:max"] == want_metrics["step:max"]
+        for run in RUNS:
+            want = engine.adapter(names[run]).named_tensors()
+            for key, value in seen["after_steps"][run].items():
+                torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5)
+    finally:
+        for name in names.values():
+            engine.remove_run(name)
+    assert seen["pending"] == [[True] * len(RUNS)] * STEPS
+    assert seen["pending_after"] == [False] * len(RUNS)
+
+
+def test_replicas_are_bitwise_equal(group_dir):
+    runs = sorted(p.name for p in (group_dir / "rank0").iterdir() if p.is_dir())
+    assert set(RUNS) | {"loaded", VICTIM, BYSTANDER, NAN_RUN} == set(runs)
+    for run in runs:
+        for name in ("adapter_model.safetensors", "optimizer.safetensors", "treadle_state.json"):
+            a = (group_dir / "rank0" / run / name).read_bytes()
+            b = (group_dir / "rank1" / run / name).read_bytes()
+            assert a == b, f"{run}/{name} differs between the ranks"
+
+
+def test_a_group_checkpoint_loads_into_one_engine_and_continues_alike(engine, group_dir, seen):
+    engine.load_state("from-group", group_dir / "group_ckpt")
+    try:
+        saved = seen["after_steps"]["ce"]
+        for key, value in engine.adapter("from-group").named_tensors().items():
+            assert torch.equal(value, saved[key])  # written once, in the one-engine format
+        assert engine.steps("from-group") == STEPS
+        assert_same_loss(
+            seen["ce_next"], engine.forward_backward("from-group", datums(777, "cross_entropy"))
+        )
+        engine.optim_step("from-group", ADAM)
+        engine.save_state("from-group", group_dir / "continued")
+        _assert_close_states(group_dir / "continued", group_dir / "rank0" / "ce")
+    finally:
+        engine.remove_run("from-group")
+
+
+def test_one_engines_checkpoint_loads_into_the_group_and_continues_alike(engine, group_dir, seen):
+    assert seen["loaded_steps"] == 2
+    engine.load_state("reloaded", group_dir / "single_ckpt")
+    try:
+        want = engine.forward_backward("reloaded", datums(778, "cross_entropy"))
+        assert_same_loss(seen["loaded_next"], want)
+        engine.optim_step("reloaded", ADAM)
+        engine.save_state("reloaded", group_dir / "reloaded")
+        _assert_close_states(group_dir / "reloaded", group_dir / "rank0" / "loaded")
+    finally:
+        engine.remove_run("reloaded")
+
+
+def _assert_close_states(a: Path, b: Path) -> None:
+    from gpu_worker import checkpoint
+
+    left = checkpoint.read_state(a, include_optimizer=True)
+    right = checkpoint.read_state(b, include_optimizer=True)
+    assert left.meta == right.meta
+    for x, y in ((left.adapter, right.adapter), (left.optimizer, right.optimizer)):
+        assert x is not None and y is not None
+        assert x.keys() == y.keys()
+        for key in x:
+            torch.testing.assert_close(x[key], y[key], rtol=1e-5, atol=1e-5)
+
+
+def test_a_failure_on_rank_1_fails_only_its_op_and_restores_gradients(engine, group_dir, seen):
+    victim, bystander = seen["injected"]
+    assert isinstance(victim, OpError)
+    assert victim.category == "server" and "injected failure on rank 1" in victim.message
+    assert isinstance(bystander, ForwardBackwardResult)
+    assert seen["victim_pending"]  # the first op's gradient is still there
+    with training_run(engine, "ref-victim", lora(4)), training_run(engine, "ref-by", lora(4)):
+        engine.forward_backward("ref-victim", datums(900, "cross_entropy"))
+        assert_same_loss(bystander, engine.forward_backward("ref-by", datums(902, "cross_entropy")))
+        # summed over the ranks, each run's gradient is exactly what its successful ops left
+        for run, ref in ((VICTIM, "ref-victim"), (BYSTANDER, "ref-by")):
+            for got, want in zip(_group_grads(group_dir, run), _grads(engine, ref), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_non_finite_gradient_on_one_rank_is_refused_by_all_and_the_group_goes_on(seen):
+    assert seen["nan_refused"] is not None and "not finite" in seen["nan_refused"]
+    assert seen["nan_pending"] is False
+    assert seen["nan_after"]["step:max"] == 1.0  # the refused step was not counted
+    assert np.isfinite(seen["nan_after"]["grad_norm:mean"])
