@@ -3,7 +3,8 @@
 Prints one JSON object:
 - `tiny_op_rtt_ms`: p50/p90 of an optim_step on a 1M model through API → Redis → worker → back
   (goal p50 ≤ 15 ms), beside `floor_rtt_ms` (a bare HTTP round trip to the same API in the same
-  run) and `api_cpu_ms_per_op` (the API process's CPU time per tiny op);
+  run), `sdk_floor_rtt_ms` (the same op through the SDK against a server that does nothing:
+  the client's own cost) and `api_cpu_ms_per_op` (the API process's CPU time per tiny op);
 - `sft_tokens_per_s` for distributed and embedded mode and their `ratio` (goal ≥ 0.9), the
   same tinker-SDK loop (forward_backward + optim_step back to back);
 - `failover_s`: from kill -9 of the worker holding a run to the completion of that run's next

@@ -9,8 +9,9 @@ Prints one JSON object:
   tinker SDK's (goal ≥ 1);
 - `tiny_op_rtt_ms`: p50/p90 round trip of a tiny op (optim_step on a 1M model) through the
   SDK — submit, long-poll, result (goal p50 ≤ 5 ms) — beside `floor_rtt_ms`, a bare HTTP round
-  trip to the same server in the same run, and `api_cpu_ms_per_op`, the server process's CPU
-  time per tiny op (embedded mode: the API and the engine thread together).
+  trip to the same server in the same run, `sdk_floor_rtt_ms`, the same op through the SDK
+  against a server that does nothing (the client's own cost), and `api_cpu_ms_per_op`, the
+  server process's CPU time per tiny op (embedded mode: the API and the engine thread together).
 
 Run: `python bench/e2e_sft.py [--model treadle/tiny-10m] [--batch 8] [--seq 256] [--steps 8]`.
 """
