@@ -41,7 +41,10 @@ class Job:
     """One request as the decode loop sees it; the loop fills the fields after `stop_strings`.
 
     `adapter` may be replaced between steps (by a frozen copy of the same weights): rows are
-    grouped by the adapter their job names at each step."""
+    grouped by the adapter their job names at each step. `indices` are the request's sample
+    indices this job holds, when it holds a share of them (a worker group splits a request's
+    samples over its ranks): sample i's noise is keyed by `indices[i]`, so every share samples
+    what the whole request would. None means all of them, 0 to num_samples - 1."""
 
     prompt: list[int]
     params: SamplingParams
@@ -51,6 +54,7 @@ class Job:
     stop_strings: list[str]
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    indices: list[int] | None = None
     sequences: list[SampledSequence] = field(default_factory=list)  # by sample index, once all end
     finished: dict[int, SampledSequence] = field(default_factory=dict)  # by sample index
     prompt_lp: np.ndarray | None = None  # (P,) float32, NaN at 0
@@ -82,7 +86,7 @@ class StopText:
 @dataclass
 class _Row:
     job: Job
-    index: int  # the sample's index within its job, which keys its noise
+    index: int  # the sample's index within its job (its noise: see `Job.indices`)
     stop_text: StopText | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -295,7 +299,7 @@ class Sampler:
                 stop_text = StopText(self.tokenizer, job.stop_strings) if job.stop_strings else None
                 rows.append(_Row(job, i, stop_text))
                 expand.append(r)
-                keys.append(row_key(seed, i))
+                keys.append(row_key(seed, i if job.indices is None else job.indices[i]))
         index_B = torch.tensor(expand, device=self.device)
         cache.batch_select_indices(index_B)
         mask_BP = mask_RP[index_B]

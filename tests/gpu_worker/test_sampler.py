@@ -102,6 +102,26 @@ def test_jobs_added_to_a_running_loop_sample_as_if_alone(parts):
         assert _tokens(job) == _tokens(alone), f"job {i}"
 
 
+@pytest.mark.parametrize("shares", [[[0, 2], [1, 3]], [[3], [0, 1, 2]], [[], [0, 1, 2, 3]]])
+def test_a_requests_samples_split_by_index_over_loops_equal_one_loop(parts, shares):
+    """What two ranks of a worker group do: each samples a share of the request's sample
+    indices on its own replica of the weights."""
+    adapters = parts[3]
+    params = SamplingParams(max_tokens=12, seed=9, stop=[], temperature=0.9, top_p=0.95)
+    whole = [Job([5, 17, 300, 41], params, 4, a, set(), []) for a in (None, adapters[1])]
+    _run(parts, whole)
+    for job in whole:
+        by_index: dict[int, list[int]] = {}
+        for share in shares:
+            if not share:
+                continue
+            part = Job(job.prompt, params, len(share), job.adapter, set(), [], indices=share)
+            _run(parts, [part])
+            by_index.update(zip(share, (s.tokens for s in part.sequences), strict=True))
+        assert [by_index[i] for i in range(4)] == [s.tokens for s in job.sequences]
+        assert len({tuple(s.tokens) for s in job.sequences}) > 1  # the samples do differ
+
+
 def test_stop_string_spanning_a_token_boundary(parts):
     tokenizer = parts[2]
     greedy = SamplingParams(max_tokens=16, temperature=0.0, stop=[])
