@@ -15,9 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import cast
 
-from sqlalchemy import Integer, Select, and_, bindparam, exists, func, or_, select, update
+from sqlalchemy import (
+    Executable,
+    Integer,
+    Select,
+    Table,
+    and_,
+    bindparam,
+    exists,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import aliased, defer
 
@@ -35,12 +50,30 @@ UNLOAD_SEQ = 1 << 62
 IN_FLIGHT = (OpStatus.QUEUED, OpStatus.RUNNING)
 
 
-def queue(db: OrmSession, op: Operation) -> None:
-    """Insert `op` as queued, in a savepoint: when a concurrent twin holds its (target_id,
-    seq_id), IntegrityError is raised and the caller's transaction goes on without it."""
-    op.status = OpStatus.QUEUED
-    with db.begin_nested():
-        db.add(op)
+def _queue_statement(insert: Callable[[Table], postgresql.Insert | sqlite.Insert]) -> Executable:
+    operations = cast(Table, Operation.__table__)
+    return (
+        insert(operations)
+        .on_conflict_do_nothing(index_elements=[operations.c.target_id, operations.c.seq_id])
+        .returning(operations.c.id)
+    )
+
+
+# Built once and given its row at execution: it runs on every submission.
+_QUEUE = {
+    "postgresql": _queue_statement(postgresql.insert),
+    "sqlite": _queue_statement(sqlite.insert),
+}
+
+
+def queue(db: OrmSession, row: dict[str, object]) -> bool:
+    """Insert the op `row` (the operations table's columns) as queued; False when a concurrent
+    twin holds its (target_id, seq_id) already, and then nothing was written: the caller's
+    transaction goes on without it. One statement, with no savepoint and no ORM object: the
+    index settles the race (on PostgreSQL the insert waits for the twin's transaction, and
+    does nothing once it committed)."""
+    statement = _QUEUE[db.get_bind().dialect.name]
+    return db.execute(statement, {**row, "status": OpStatus.QUEUED}).first() is not None
 
 
 def fail_now(op: Operation, failure: OpFailure, now: datetime) -> None:

@@ -11,7 +11,6 @@ import dataclasses
 import logging
 
 from sqlalchemy import bindparam, func, select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from billing import limits as spend_limits
@@ -80,28 +79,31 @@ def submit(
             run_seq_id=None if kind is OpKind.SAMPLE else seq_id,
             estimate=estimate,
         )
-    op = Operation(
-        id=op_id or new_request_id(),
-        tenant_id=tenant_id,
-        session_id=session_id,
-        target_id=target_id,
-        seq_id=seq_id,
-        kind=kind.value,
-        payload=payload,
-        payload_codec=payload_codec,
-        api_key_id=api_key_id,
-        reserved_micros=reserved,
-        created_at=clock.now(),
+    request_id = op_id or new_request_id()
+    queued = oplog.queue(
+        db,
+        {
+            "id": request_id,
+            "tenant_id": tenant_id,
+            "session_id": session_id,
+            "target_id": target_id,
+            "seq_id": seq_id,
+            "kind": kind.value,
+            "payload": payload,
+            "payload_codec": payload_codec,
+            "api_key_id": api_key_id,
+            "attempts": 0,
+            "reserved_micros": reserved,
+            "created_at": clock.now(),
+        },
     )
-    try:
-        oplog.queue(db, op)
-    except IntegrityError:
+    if not queued:
         # A concurrent twin won the race on (target_id, seq_id): answer with its request id.
-        existing = _existing(db, tenant_id, target_id, seq_id, kind) if seq_id is not None else None
-        if existing is None:
-            raise
+        assert seq_id is not None  # only a seq_id can conflict
+        existing = _existing(db, tenant_id, target_id, seq_id, kind)
+        assert existing is not None  # the twin's row is what refused this one
         return Submitted(existing.id, duplicate=True)
-    return Submitted(op.id, duplicate=False, queued_kind=kind.value)
+    return Submitted(request_id, duplicate=False, queued_kind=kind.value)
 
 
 def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) -> Tenant | None:

@@ -117,8 +117,9 @@ def test_a_twin_that_missed_the_original_answers_with_its_request_id(
     rows: Rows, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A submission whose first look found nothing, though the row is there when it inserts
-    (as a twin committed in between): the unique index refuses the insert, the savepoint
-    undoes it alone, and the caller's transaction goes on to commit normally."""
+    (as a twin committed in between): the insert does nothing on the unique index, the
+    submission looks again and answers with the twin's request id, and the caller's
+    transaction goes on to commit normally."""
     run = rows.run(rows.tenant())
     original = rows.training_op(run, 1)
     real_existing = submit_module._existing
@@ -165,7 +166,7 @@ def test_concurrent_twins_insert_one_row_and_share_its_request_id(
     PostgreSQL: a barrier right after the dedupe check holds each until both have looked and
     found nothing; both then insert, and the unique index admits one. The winner holds its
     commit until the other's insert is seen waiting on the index; once the winner commits, that
-    insert fails, is undone by its savepoint, and answers with the winner's request id.
+    insert does nothing, and the loser answers with the winner's request id.
 
     SQLite: a write transaction holds the database's write lock from BEGIN, so the twins
     cannot both look before either commits (a barrier there would deadlock). They start
