@@ -382,17 +382,31 @@ class Engine:
 
     # --- sampling -----------------------------------------------------------------------
 
-    def sample_start(self, key: str, req: SampleRequest) -> OpError | None:
+    def sample_start(
+        self, key: str, req: SampleRequest, indices: list[int] | None = None
+    ) -> OpError | None:
         """Validate `req` and add it, under `key` (unique among unfinished jobs), to its base
         model's running decode loop; its rows join at the next `sample_step`. An OpError when
-        refused; a key already in use raises ValueError (the caller's mistake)."""
+        refused; a key already in use raises ValueError (the caller's mistake).
+
+        `indices` starts only those of the request's samples (a worker group's share; see
+        `Job.indices`), and computes the prompt logprobs only if it holds sample 0, so that
+        one share of the request pays for them."""
         with self._lock:
             try:
-                m, job = self._job(req)
+                m, job = self._job(req, indices)
             except UserInputError as exc:
                 return OpError.of_input(exc)
             self._loops.start(key, m.name, job)
             return None
+
+    def check_sample(self, req: SampleRequest) -> SampleRequest:
+        """Validate `req` as `sample_start` would, without starting it; returns it with its
+        seed fixed (drawn when it has none), so that the shares of it that a worker group's
+        ranks start sample with one seed. Raises UserInputError when refused."""
+        with self._lock:
+            _, job = self._job(req)
+            return replace(req, params=job.params)
 
     def sample_step(self) -> list[tuple[str, SampleResult | OpError]]:
         """One decode step of every base model's loop that has work (prefilling the jobs added
@@ -447,7 +461,13 @@ class Engine:
                 out[keys[key]] = outcome
             return [out.get(i, OpError("server", "not executed")) for i in range(len(requests))]
 
-    def _job(self, req: SampleRequest) -> tuple[_Model, Job]:
+    def _job(self, req: SampleRequest, indices: list[int] | None = None) -> tuple[_Model, Job]:
+        if indices is not None and (
+            not indices
+            or len(set(indices)) < len(indices)
+            or not all(0 <= i < req.num_samples for i in indices)
+        ):
+            raise ValueError(f"sample indices {indices}: distinct, within the request's samples")
         m, adapter = self._sampler(req.run_id, req.base_model)
         info = m.info
         prompt = check_tokens(req.prompt, info.vocab_size, info.max_context_length, "prompt")
@@ -458,15 +478,17 @@ class Engine:
             # drawn here, when the job is made, rather than when the sampler admits it, so
             # the engine that accepts a job fixes its noise (and can hand the seed on)
             params = replace(params, seed=secrets.randbits(62))
+        scores = indices is None or 0 in indices
         job = Job(
             prompt.tolist(),
             params,
-            req.num_samples,
+            req.num_samples if indices is None else len(indices),
             adapter,
             stop_ids,
             stop_strings,
-            prompt_logprobs=req.prompt_logprobs,
-            topk_prompt_logprobs=req.topk_prompt_logprobs,
+            prompt_logprobs=req.prompt_logprobs and scores,
+            topk_prompt_logprobs=req.topk_prompt_logprobs if scores else 0,
+            indices=indices,
         )
         return m, job
 

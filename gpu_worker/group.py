@@ -7,8 +7,14 @@ rank a contiguous slice of every op's datums (`sharding`), and merges the ranks'
 the host sees what one engine would return. Gradients accumulate on each rank and are summed
 once, inside `optim_step`, before the clip norm, so every rank clips and steps on the same
 gradient and the replicas stay bitwise equal. Everything that only reads a run (saves,
-exports, memory, `gradients_pending`) is answered by rank 0 alone, with no collective. Sampling
-also runs on rank 0's replica for now.
+exports, memory, `gradients_pending`) is answered by rank 0 alone, with no collective.
+
+Sampling is split by sample: rank 0 validates a request and fixes its seed, deals its sample
+indices out to the least-loaded ranks and buffers the start; each `sample_step` sends every
+rank its starts and aborts, every rank steps its own decode loops, and rank 0 merges the
+shares of each request as they finish (samples are keyed by their index in the request, so
+the result is what one engine samples). Rank 0 keeps each request's tokens so far from the
+ranks' reports, so `sample_progress` needs no collective.
 
 The unit rank 0 sends is one engine call (a command), not a host step: the host does its
 database writes and store reads between engine calls, on rank 0 only, so it can drive a
@@ -26,10 +32,11 @@ This module knows nothing of the control plane (database, queues, object storage
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -52,7 +59,7 @@ from gpu_worker.protocol import (
     UnsupportedInput,
     UserInputError,
 )
-from gpu_worker.sharding import merge_result, shard_ops
+from gpu_worker.sharding import merge_result, merge_samples, shard_ops, split_samples
 from gpu_worker.validation import CheckedOp, check_adam
 
 log = logging.getLogger(__name__)
@@ -160,6 +167,30 @@ class ClearGradients:
 
 
 @dataclass
+class SampleStep:
+    """Each rank's `SampleShare` follows in a scatter."""
+
+
+@dataclass
+class SampleShare:
+    """What one rank does in a sample step: drop `aborts`, start its shares of new requests
+    (key, checked request, its sample indices), then step its decode loops."""
+
+    starts: list[tuple[str, SampleRequest, list[int]]]
+    aborts: list[str]
+
+
+@dataclass
+class ShareReport:
+    """What one rank's sample step gave: its shares that finished, and the tokens its running
+    shares chose since its last report (by key, per local sample)."""
+
+    finished: list[tuple[str, SampleResult | OpError]]
+    progress: dict[str, list[list[int]]]
+    error: str | None = None
+
+
+@dataclass
 class Exit:
     pass
 
@@ -233,15 +264,52 @@ def _restore(engine: Engine, saved: Grads, run_ids: Collection[str]) -> None:
                 p.grad = grad
 
 
+class _Shares:
+    """One rank's shares of sampling requests, and how much of each it has reported."""
+
+    def __init__(self) -> None:
+        self._reported: dict[str, list[int]] = {}  # key -> tokens reported, per local sample
+
+    def step(self, engine: Engine, share: SampleShare) -> ShareReport:
+        try:
+            engine.sample_abort(share.aborts)
+            for key in share.aborts:
+                self._reported.pop(key, None)
+            finished: list[tuple[str, SampleResult | OpError]] = []
+            for key, req, indices in share.starts:
+                refused = engine.sample_start(key, req, indices)
+                if refused is None:
+                    self._reported[key] = [0] * len(indices)
+                else:
+                    finished.append((key, refused))
+            done = engine.sample_step()
+            finished += done
+            for key, _ in done:
+                self._reported.pop(key, None)
+            progress: dict[str, list[list[int]]] = {}
+            for key, reported in self._reported.items():
+                tokens = engine.sample_progress(key)
+                if any(len(t) > n for t, n in zip(tokens, reported, strict=True)):
+                    progress[key] = [t[n:] for t, n in zip(tokens, reported, strict=True)]
+                    self._reported[key] = [len(t) for t in tokens]
+            return ShareReport(finished, progress)
+        except Exception as exc:  # answered all the same, so that no collective is skipped
+            log.exception("sample step failed")
+            return ShareReport([], {}, f"{type(exc).__name__}: {exc}")
+
+
 def follow(engine: Engine, comm: GroupComm) -> None:
     """A follower's life (ranks > 0): run rank 0's commands on the local replica until it says
     Exit. It never touches the database, queues or object storage. A failed collective (rank 0
     gone, a timeout) raises, ending the process, and so the group."""
+    shares = _Shares()
     while True:
         command = comm.broadcast()
         if isinstance(command, Exit):
             return
-        if isinstance(command, ForwardBackward):
+        if isinstance(command, SampleStep):
+            comm.gather(shares.step(engine, comm.scatter()))
+        elif isinstance(command, ForwardBackward):
             out, saved = _run_shard(engine, comm.scatter())
             comm.gather(out)
             _restore(engine, saved, comm.broadcast())
@@ -267,6 +335,12 @@ class GroupEngine:
         # runs with gradients not yet consumed somewhere in the group: rank 0 may hold none of
         # them (it got no datums), so the local replica cannot tell
         self._pending: set[str] = set()
+        self._shares = _Shares()
+        self._requests: dict[str, _Request] = {}  # started, not finished
+        self._starts: list[tuple[str, SampleRequest]] = []  # to send with the next step
+        self._aborts: set[str] = set()  # to send with the next step
+        self._held: dict[str, SampleResult | OpError] = {}  # finished during a sample_batch
+        self._batches = itertools.count()
 
     @property
     def catalog(self) -> Any:
@@ -416,7 +490,7 @@ class GroupEngine:
                     self._pending.add(op.run_id)
             return results
 
-    # --- read-only calls and sampling: rank 0's replica -----------------------------------
+    # --- read-only calls: rank 0's replica -----------------------------------------------
 
     def tokenizer_dir(self, base_model: str) -> Path:
         return self.engine.tokenizer_dir(base_model)
@@ -447,21 +521,154 @@ class GroupEngine:
     def export_merged(self, run_id: str, path: str | Path) -> None:
         self.engine.export_merged(run_id, path)
 
+    # --- sampling, split by sample over the ranks ------------------------------------------
+
     def sample_start(self, key: str, req: SampleRequest) -> OpError | None:
-        return self.engine.sample_start(key, req)
+        """Validate `req` here and deal its samples out; every rank starts its share at the
+        next `sample_step`. As on one engine: an OpError when refused, ValueError for a key
+        in use."""
+        with self._lock:
+            return self._start(key, req)
+
+    def _start(self, key: str, req: SampleRequest) -> OpError | None:
+        self._check()
+        if key in self._requests or key in self._held:
+            raise ValueError(f"sample key {key!r} is already in use; give each job its own key")
+        try:
+            checked = self.engine.check_sample(req)  # the seed is fixed here, once for all
+        except UserInputError as exc:
+            return OpError.of_input(exc)
+        loads = [0] * self.comm.world
+        for request in self._requests.values():
+            for rank, indices in request.shares.items():
+                if rank not in request.done:
+                    loads[rank] += len(indices)
+        shares = split_samples(req.num_samples, loads)
+        self._requests[key] = _Request(
+            {rank: indices for rank, indices in enumerate(shares) if indices},
+            progress=[[] for _ in range(req.num_samples)],
+        )
+        self._starts.append((key, checked))
+        return None
 
     def sample_step(self) -> list[tuple[str, SampleResult | OpError]]:
-        return self.engine.sample_step()
+        """One decode step on every rank; the requests whose last share finished in it, after
+        those that finished during a `sample_batch`. A share that failed (its rank's loop
+        failed: `interrupted`) fails its request, and the other shares are dropped."""
+        with self._lock:
+            out = list(self._held.items())
+            self._held.clear()
+            return out + self._step()
+
+    def _step(self) -> list[tuple[str, SampleResult | OpError]]:
+        self._check()
+        if not self._requests and not self._aborts:
+            return []  # no rank holds anything to step
+        starts, self._starts = self._starts, []
+        aborts, self._aborts = sorted(self._aborts), set()
+        payload = [
+            SampleShare(
+                [
+                    (key, req, self._requests[key].shares[rank])
+                    for key, req in starts
+                    if rank in self._requests[key].shares
+                ],
+                aborts,
+            )
+            for rank in range(self.comm.world)
+        ]
+        try:
+            self.comm.broadcast(SampleStep())
+            mine = self._shares.step(self.engine, self.comm.scatter(payload))
+            reports: list[ShareReport] = self.comm.gather(mine)
+        except Exception as exc:
+            raise self._fail(f"SampleStep: {type(exc).__name__}: {exc}") from exc
+        for rank, report in enumerate(reports):
+            if report.error is not None:
+                raise self._fail(f"SampleStep on rank {rank}: {report.error}")
+        finished: list[tuple[str, SampleResult | OpError]] = []
+        for rank, report in enumerate(reports):
+            for key, new in report.progress.items():
+                if key in self._requests:
+                    request = self._requests[key]
+                    for i, tokens in zip(request.shares[rank], new, strict=True):
+                        request.progress[i].extend(tokens)
+            for key, outcome in report.finished:
+                if key not in self._requests:
+                    continue  # its request already failed on another rank
+                request = self._requests[key]
+                if isinstance(outcome, OpError):
+                    del self._requests[key]
+                    self._aborts.add(key)  # the other shares are dropped at the next step
+                    finished.append((key, outcome))
+                    continue
+                request.done[rank] = outcome
+                for i, seq in zip(request.shares[rank], outcome.sequences, strict=True):
+                    request.progress[i] = list(seq.tokens)
+                if len(request.done) == len(request.shares):
+                    del self._requests[key]
+                    parts = [(request.shares[r], result) for r, result in request.done.items()]
+                    finished.append((key, merge_samples(parts)))
+        return finished
 
     def sample_progress(self, key: str) -> list[list[int]]:
-        return self.engine.sample_progress(key)
+        """Tokens chosen so far for each sample of `key`, as the ranks last reported them."""
+        with self._lock:
+            if key in self._requests:
+                return [list(tokens) for tokens in self._requests[key].progress]
+            held = self._held.get(key)
+            if isinstance(held, SampleResult):
+                return [list(s.tokens) for s in held.sequences]
+            return []
 
     def sample_abort(self, keys: Collection[str] | None = None) -> None:
-        self.engine.sample_abort(keys)
+        """Drop requests (all when None); the ranks free their rows at the next step."""
+        with self._lock:
+            chosen = [*self._requests, *self._held] if keys is None else list(keys)
+            for key in chosen:
+                self._held.pop(key, None)
+                if self._requests.pop(key, None) is not None:
+                    self._aborts.add(key)
+            self._starts = [(k, req) for k, req in self._starts if k in self._requests]
 
     def sample_batch(self, requests: list[SampleRequest]) -> list[SampleResult | OpError]:
-        return self.engine.sample_batch(requests)
+        """Sample all requests to completion; other requests that finish meanwhile come out
+        of the next `sample_step`."""
+        with self._lock:
+            out: dict[int, SampleResult | OpError] = {}
+            keys: dict[str, int] = {}
+            batch = next(self._batches)
+            for i, req in enumerate(requests):
+                key = f"{_BATCH_KEY}{batch}/{i}"
+                refused = self._start(key, req)
+                if refused is None:
+                    keys[key] = i
+                else:
+                    out[i] = refused
+            while any(i not in out for i in keys.values()):
+                for key, outcome in self._step():
+                    if key in keys:
+                        out[keys[key]] = outcome
+                    else:
+                        self._held[key] = outcome
+            return [out.get(i, OpError("server", "not executed")) for i in range(len(requests))]
 
     @property
     def sampling(self) -> int:
-        return self.engine.sampling
+        """Requests started and not finished, or finished and not yet returned."""
+        with self._lock:
+            return len(self._requests) + len(self._held)
+
+
+@dataclass
+class _Request:
+    """A sampling request in flight: its sample indices by rank, the shares that finished,
+    and the tokens of each sample so far."""
+
+    shares: dict[int, list[int]]
+    done: dict[int, SampleResult] = field(default_factory=dict)
+    progress: list[list[int]] = field(default_factory=list)
+
+
+# sample_batch's own requests are keyed under this prefix, which no caller's key starts with
+_BATCH_KEY = "\x00group_batch/"

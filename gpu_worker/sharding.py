@@ -1,4 +1,5 @@
-"""Splitting a forward_backward batch over a worker group's ranks, and merging what they return.
+"""Splitting work over a worker group's ranks, and merging what they return: forward_backward
+batches by datum, sampling requests by sample.
 
 Every loss is a sum over datums, and a datum is never cut (GSPO's sequence ratio is per datum),
 so giving each rank a slice of an op's datums is exact: the op's loss, metrics and gradient
@@ -10,6 +11,11 @@ leaves some ranks without a slice; they skip it.
 Ops are sliced after validation (`CheckedOp`): validation looks across an op's datums (clip
 thresholds spread to every datum once any sends one), so it runs once, on the whole op.
 
+A sampling request's samples are dealt out by index: a sample's noise is keyed by its index
+in the request (`Job.indices`), and rows do not depend on their batch-mates, so the shares
+together sample what one engine would. The share holding sample 0 also computes the prompt
+logprobs.
+
 Pure: numpy and the protocol types, no torch and no communication.
 """
 
@@ -20,7 +26,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from gpu_worker.protocol import ForwardBackwardResult, OpError, Usage
+from gpu_worker.protocol import (
+    ForwardBackwardResult,
+    OpError,
+    SampledSequence,
+    SampleResult,
+    Usage,
+)
 from gpu_worker.validation import CheckedOp
 
 
@@ -98,3 +110,38 @@ def _combine(key: str, a: float, b: float) -> float:
     if reduction == "min":
         return min(a, b)
     raise ValueError(f"metric {key!r}: only :sum, :max and :min merge across ranks")
+
+
+def split_samples(num_samples: int, loads: Sequence[int]) -> list[list[int]]:
+    """A request's sample indices by rank. Each sample goes to the rank with the fewest rows
+    (its `loads` plus the samples it got here), ties to the lower rank: with equal loads the
+    samples are dealt out in turn, and a one-sample request goes to the least-loaded rank."""
+    rows = list(loads)
+    shares: list[list[int]] = [[] for _ in rows]
+    for i in range(num_samples):
+        r = min(range(len(rows)), key=lambda r: (rows[r], r))
+        shares[r].append(i)
+        rows[r] += 1
+    return shares
+
+
+def merge_samples(shares: Sequence[tuple[list[int], SampleResult]]) -> SampleResult:
+    """One request's result from its finished shares (each: its sample indices and result).
+    Sequences go back by index; the prompt scores and the prefill come from the share holding
+    sample 0 (one engine prefills a request once); sampled tokens are added."""
+    by_index: dict[int, SampledSequence] = {}
+    first: SampleResult | None = None
+    sampled = 0
+    for indices, result in shares:
+        by_index.update(zip(indices, result.sequences, strict=True))
+        if 0 in indices:
+            first = result
+        sampled += result.usage.sampled_tokens
+    if first is None or sorted(by_index) != list(range(len(by_index))):
+        raise ValueError(f"shares hold samples {sorted(by_index)}, not 0 to n - 1")
+    return SampleResult(
+        [by_index[i] for i in range(len(by_index))],
+        first.prompt_logprobs,
+        first.topk_prompt_logprobs,
+        Usage(prefill_tokens=first.usage.prefill_tokens, sampled_tokens=sampled),
+    )

@@ -1,5 +1,6 @@
 """The engine's seams for worker groups, on one device: validation apart from execution, a
-gradient reduction before the optimizer step, and a state loaded from tensors in memory."""
+gradient reduction before the optimizer step, a state loaded from tensors in memory, and a
+sampling request checked once and sampled in shares of its sample indices."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ import pytest
 import torch
 
 from gpu_worker import checkpoint
-from gpu_worker.protocol import AdamParams, Datum, ForwardBackwardOp, LoraSpec, UserInputError
+from gpu_worker.protocol import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOp,
+    LoraSpec,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    UserInputError,
+)
 from gpu_worker.validation import CheckedOp
-from tests.gpu_worker.helpers import rng_tokens, training_run
+from tests.gpu_worker.helpers import TINY, rng_tokens, training_run
 
 pytestmark = pytest.mark.unit
 
@@ -116,3 +126,38 @@ def test_state_loaded_from_tensors_equals_one_loaded_from_its_folder(engine, tmp
     finally:
         engine.remove_run("seam-t")
         engine.remove_run("seam-f")
+
+
+def _finish(engine, keys: list[str]) -> dict[str, SampleResult]:
+    done: dict[str, SampleResult] = {}
+    while len(done) < len(keys):
+        for key, outcome in engine.sample_step():
+            assert isinstance(outcome, SampleResult)
+            done[key] = outcome
+    return done
+
+
+def test_a_checked_request_sampled_in_shares_by_index_equals_it_whole(engine):
+    request = SampleRequest(
+        [3, 14, 15, 92, 65],
+        SamplingParams(max_tokens=8, temperature=1.0, stop=[]),  # no seed: one is drawn
+        num_samples=4,
+        base_model=TINY,
+        prompt_logprobs=True,
+    )
+    checked = engine.check_sample(request)
+    assert checked.params.seed is not None
+    assert engine.check_sample(request).params.seed != checked.params.seed
+    engine.sample_start("whole", checked)
+    engine.sample_start("even", checked, indices=[0, 2])
+    engine.sample_start("odd", checked, indices=[1, 3])
+    done = _finish(engine, ["whole", "even", "odd"])
+    whole, even, odd = done["whole"], done["even"], done["odd"]
+    tokens = [s.tokens for s in whole.sequences]
+    assert [s.tokens for s in even.sequences] == tokens[0::2]
+    assert [s.tokens for s in odd.sequences] == tokens[1::2]
+    assert whole.prompt_logprobs is not None and even.prompt_logprobs is not None
+    np.testing.assert_array_equal(even.prompt_logprobs, whole.prompt_logprobs)
+    assert odd.prompt_logprobs is None  # only the share holding sample 0 scores the prompt
+    with pytest.raises(ValueError, match="sample indices"):
+        engine.sample_start("bad", checked, indices=[4])

@@ -1,6 +1,7 @@
 """A worker group of two gloo ranks (spawned processes) against one engine: five training steps
 of three runs batched together, checkpoints both ways, a failure injected on rank 1, a
-non-finite gradient on rank 1, and replicas bitwise equal at the end.
+non-finite gradient on rank 1, and replicas bitwise equal at the end; then sampling split by
+sample over the ranks (streamed, batched, aborted, and interrupted on rank 1).
 
 The group is started once per module: rank 0 drives a scripted session through `GroupEngine`
 and records what it saw, both ranks write their replicas, and the tests compare that with the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,12 @@ from gpu_worker.protocol import (
     ForwardBackwardResult,
     LoraSpec,
     OpError,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
     UserInputError,
 )
+from gpu_worker.sampling import Sampler
 from tests.gpu_worker.helpers import TINY, VOCAB, assert_same_loss, training_run
 
 pytestmark = pytest.mark.unit
@@ -70,6 +76,28 @@ def step_ops(step: int, runs: dict[str, tuple[str, int]] = RUNS) -> list[Forward
 
 def lora(rank: int) -> LoraSpec:
     return LoraSpec(rank=rank, seed=rank)
+
+
+def _params(seed: int, max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, seed=seed, stop=[], **kw)
+
+
+SAMPLER = "sampler"  # a run loaded from one engine's checkpoint, bitwise its weights
+REQUESTS = [
+    SampleRequest(
+        [5, 17, 300, 41, 9],
+        _params(11, 12, temperature=0.9, top_p=0.95),
+        num_samples=4,
+        base_model=TINY,
+        prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+    ),
+    SampleRequest(list(range(40, 49)), _params(12, 10), run_id=SAMPLER),
+    SampleRequest(
+        [700, 3, 81], _params(13, 14, temperature=0.8, top_k=20), num_samples=3, run_id=SAMPLER
+    ),
+    SampleRequest([1, 2, 3, 4], _params(14, 8, temperature=0.0), num_samples=2, base_model=TINY),
+]
 
 
 # --- what the ranks run -----------------------------------------------------------------
@@ -131,7 +159,48 @@ def _drive(group: Any, out: Path) -> dict[str, Any]:
     seen["nan_pending"] = group.gradients_pending(NAN_RUN)
     group.forward_backward(NAN_RUN, datums(904, "cross_entropy"))  # the group still works
     seen["nan_after"] = group.optim_step(NAN_RUN, ADAM).metrics
+    _drive_sampling(group, out, seen)
     return seen
+
+
+def _sample_until_idle(group: Any, watch: list[str]) -> tuple[dict[str, Any], list[Any]]:
+    """Step until no request is left; each key's outcome, and the watched keys' progress
+    after every step."""
+    outcomes: dict[str, Any] = {}
+    progress = []
+    while group.sampling:
+        for key, outcome in group.sample_step():
+            assert key not in outcomes, f"{key} came out twice"
+            outcomes[key] = outcome
+        progress.append([group.sample_progress(key) for key in watch])
+    return outcomes, progress
+
+
+def _drive_sampling(group: Any, out: Path, seen: dict[str, Any]) -> None:
+    group.load_state(SAMPLER, out / "single_ckpt")
+    for i, request in enumerate(REQUESTS):
+        assert group.sample_start(f"k{i}", request) is None
+    seen["streamed"], seen["progress"] = _sample_until_idle(group, ["k0", "k2"])
+    seen["batch"] = group.sample_batch([REQUESTS[2], REQUESTS[1]])
+
+    group.sample_start("long", SampleRequest([9, 9, 9], _params(15, 40), 2, base_model=TINY))
+    group.sample_step()
+    group.sample_step()
+    group.sample_abort(["long"])
+    seen["sampling_after_abort"] = group.sampling
+    seen["after_abort"], _ = _sample_until_idle(group, [])
+    group.sample_start("k0-again", REQUESTS[0])
+    seen["again"], _ = _sample_until_idle(group, [])
+
+    (out / "inject-decode").touch()
+    try:
+        group.sample_start("doomed", SampleRequest([8, 8], _params(16, 6), 4, base_model=TINY))
+        seen["doomed_step"] = group.sample_step()
+    finally:
+        (out / "inject-decode").unlink()
+    seen["doomed_rest"], _ = _sample_until_idle(group, [])
+    group.sample_start("k3-after", REQUESTS[3])
+    seen["after_doomed"], _ = _sample_until_idle(group, [])
 
 
 def _inject_on_rank_1(engine: Engine, out: Path) -> None:
@@ -151,6 +220,15 @@ def _inject_on_rank_1(engine: Engine, out: Path) -> None:
         return results
 
     setattr(engine, "_execute", injected)  # noqa: B010 (an instance attribute, on purpose)
+
+    decode_step = Sampler.step
+
+    def failing_step(self: Sampler) -> list[Any]:
+        if (out / "inject-decode").exists():
+            raise RuntimeError("injected decode failure on rank 1")
+        return decode_step(self)
+
+    setattr(Sampler, "step", failing_step)  # noqa: B010 (this process is rank 1 alone)
 
 
 def _rank_main(rank: int, out: Path) -> None:
@@ -270,7 +348,7 @@ def test_five_steps_of_three_runs_equal_one_engine(engine, seen):
 
 def test_replicas_are_bitwise_equal(group_dir):
     runs = sorted(p.name for p in (group_dir / "rank0").iterdir() if p.is_dir())
-    assert set(RUNS) | {"loaded", VICTIM, BYSTANDER, NAN_RUN} == set(runs)
+    assert set(RUNS) | {"loaded", VICTIM, BYSTANDER, NAN_RUN, SAMPLER} == set(runs)
     for run in runs:
         for name in ("adapter_model.safetensors", "optimizer.safetensors", "treadle_state.json"):
             a = (group_dir / "rank0" / run / name).read_bytes()
@@ -341,3 +419,76 @@ def test_a_non_finite_gradient_on_one_rank_is_refused_by_all_and_the_group_goes_
     assert seen["nan_pending"] is False
     assert seen["nan_after"]["step:max"] == 1.0  # the refused step was not counted
     assert np.isfinite(seen["nan_after"]["grad_norm:mean"])
+
+
+# --- sampling ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def expected_samples(engine, group_dir) -> list[SampleResult]:
+    """REQUESTS sampled by one engine, on the same weights."""
+    engine.load_state("ref-sampler", group_dir / "single_ckpt")
+    try:
+        requests = [
+            replace(r, run_id="ref-sampler") if r.run_id == SAMPLER else r for r in REQUESTS
+        ]
+        results = engine.sample_batch(requests)
+    finally:
+        engine.remove_run("ref-sampler")
+    assert all(isinstance(r, SampleResult) for r in results)
+    return results
+
+
+def assert_same_samples(got: SampleResult | OpError, want: SampleResult) -> None:
+    assert isinstance(got, SampleResult)
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+    assert [s.stop_reason for s in got.sequences] == [s.stop_reason for s in want.sequences]
+    for g, w in zip(got.sequences, want.sequences, strict=True):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+    assert got.usage == want.usage
+    assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
+    if want.prompt_logprobs is not None and got.prompt_logprobs is not None:
+        np.testing.assert_allclose(got.prompt_logprobs, want.prompt_logprobs, rtol=1e-5)
+    assert (got.topk_prompt_logprobs is None) == (want.topk_prompt_logprobs is None)
+    if want.topk_prompt_logprobs is not None and got.topk_prompt_logprobs is not None:
+        np.testing.assert_array_equal(got.topk_prompt_logprobs[0], want.topk_prompt_logprobs[0])
+
+
+def test_sampling_split_over_the_ranks_equals_one_engine(seen, expected_samples):
+    assert sorted(seen["streamed"]) == [f"k{i}" for i in range(len(REQUESTS))]
+    for i, want in enumerate(expected_samples):
+        assert_same_samples(seen["streamed"][f"k{i}"], want)
+    batch = seen["batch"]
+    assert_same_samples(batch[0], expected_samples[2])
+    assert_same_samples(batch[1], expected_samples[1])
+
+
+def test_progress_streams_every_ranks_tokens_as_they_come(seen, expected_samples):
+    final = [[s.tokens for s in expected_samples[i].sequences] for i in (0, 2)]
+    history = seen["progress"]
+    for step, watched in enumerate(history):
+        for progress, tokens in zip(watched, final, strict=True):
+            if not progress and step + 1 >= min(len(t) for t in tokens):
+                continue  # finished and returned, as on one engine
+            assert len(progress) == len(tokens)
+            for got, want in zip(progress, tokens, strict=True):
+                assert got == want[: len(got)]  # a prefix of what the sample ends with
+                if step < 3:
+                    assert len(got) == step + 1  # samples on both ranks, a token a step
+    # k0's samples are dealt out to both ranks, and rank 1's tokens arrive by the step
+    assert len({len(p) for p in history[2][0]}) == 1
+
+
+def test_an_aborted_request_never_comes_back_and_frees_its_rows(seen, expected_samples):
+    assert seen["sampling_after_abort"] == 0
+    assert seen["after_abort"] == {}
+    assert_same_samples(seen["again"]["k0-again"], expected_samples[0])
+
+
+def test_a_share_interrupted_on_rank_1_interrupts_its_request(seen, expected_samples):
+    ((key, outcome),) = seen["doomed_step"]
+    assert key == "doomed"
+    assert isinstance(outcome, OpError) and outcome.interrupted
+    assert "injected decode failure on rank 1" in outcome.message
+    assert seen["doomed_rest"] == {}  # rank 0's share was dropped, not returned
+    assert_same_samples(seen["after_doomed"]["k3-after"], expected_samples[3])

@@ -16,9 +16,17 @@ from gpu_worker.protocol import (
     ForwardBackwardResult,
     LoraSpec,
     OpError,
+    SampledSequence,
+    SampleResult,
     Usage,
 )
-from gpu_worker.sharding import merge_result, shard_ops, split_by_tokens
+from gpu_worker.sharding import (
+    merge_result,
+    merge_samples,
+    shard_ops,
+    split_by_tokens,
+    split_samples,
+)
 from gpu_worker.validation import CheckedDatum, CheckedOp
 from tests.gpu_worker.helpers import TINY, VOCAB, assert_same_loss, randomize_adapter
 
@@ -102,6 +110,34 @@ def test_a_failure_on_any_rank_fails_the_op_and_unknown_reductions_refuse():
     assert merge_result([ok, failed, None]) is failed
     with pytest.raises(ValueError, match="grad_norm:mean"):
         merge_result([ForwardBackwardResult([], {"grad_norm:mean": 1.0}, Usage())] * 2)
+
+
+@pytest.mark.parametrize(
+    ("num_samples", "loads", "shares"),
+    [
+        (4, [0, 0], [[0, 2], [1, 3]]),
+        (1, [3, 1], [[], [0]]),
+        (3, [2, 0, 1], [[], [0, 1], [2]]),
+        (2, [5, 0], [[], [0, 1]]),
+    ],
+)
+def test_samples_go_to_the_least_loaded_ranks(num_samples, loads, shares):
+    assert split_samples(num_samples, loads) == shares
+
+
+def test_sample_shares_merge_back_by_index():
+    def share(indices: list[int], lp: np.ndarray | None) -> tuple[list[int], SampleResult]:
+        seqs = [SampledSequence([i, i], [-1.0, -2.0], "length") for i in indices]
+        usage = Usage(prefill_tokens=5, sampled_tokens=2 * len(indices))
+        return indices, SampleResult(seqs, lp, None, usage)
+
+    scores = np.array([np.nan, -1.5], np.float32)
+    merged = merge_samples([share([1, 3], None), share([0, 2], scores)])
+    assert [s.tokens[0] for s in merged.sequences] == [0, 1, 2, 3]
+    assert merged.prompt_logprobs is scores
+    assert merged.usage == Usage(prefill_tokens=5, sampled_tokens=8)  # one prefill
+    with pytest.raises(ValueError, match="not 0 to n - 1"):
+        merge_samples([share([1, 3], None)])
 
 
 # --- two engines on slices equal one engine ---------------------------------------------
