@@ -369,6 +369,10 @@ class GroupEngine:
                     f"rank {r}: {o.kind} {o.message}" for r, o in enumerate(outcomes)
                 )
                 raise self._fail(f"ranks disagree on {type(command).__name__}: {detail}")
+            if mine.kind == "error" and isinstance(command, OptimStep):
+                # it may have failed inside the all-reduce (its ranks' collectives no longer
+                # pair up) or half way through the update
+                raise self._fail(f"OptimStep failed on every rank: {mine.message}")
             if mine.kind == "user":
                 raise (UnsupportedInput if mine.unsupported else UserInputError)(mine.message)
             if mine.kind == "error":
@@ -388,8 +392,8 @@ class GroupEngine:
         """Tell the followers to return from `follow` (once; a failed group sends nothing)."""
         with self._lock:
             if self._failed is None:
-                self.comm.broadcast(Exit())
                 self._failed = "the group was closed"
+                self.comm.broadcast(Exit())
 
     def create_run(self, run_id: str, base_model: str, lora: LoraSpec) -> None:
         self._command(CreateRun(run_id, base_model, lora))

@@ -269,11 +269,11 @@ def _rank_main(rank: int, out: Path) -> None:
 # --- the test side ----------------------------------------------------------------------
 
 
-def _start_group(out: Path) -> None:
+def _start_group(out: Path, main: Any = None) -> None:
     import torch.multiprocessing as mp
 
     context = mp.start_processes(
-        _rank_main, args=(out,), nprocs=WORLD, join=False, start_method="spawn"
+        main or _rank_main, args=(out,), nprocs=WORLD, join=False, start_method="spawn"
     )
     try:
         deadline = time.monotonic() + 240
@@ -492,3 +492,53 @@ def test_a_share_interrupted_on_rank_1_interrupts_its_request(seen, expected_sam
     assert "injected decode failure on rank 1" in outcome.message
     assert seen["doomed_rest"] == {}  # rank 0's share was dropped, not returned
     assert_same_samples(seen["after_doomed"]["k3-after"], expected_samples[3])
+
+
+# --- a rank that dies -------------------------------------------------------------------
+
+
+def _dying_main(rank: int, out: Path) -> None:
+    """Rank 1 exits in the middle of a command; rank 0 records what its calls then raise."""
+    import torch.distributed as dist
+
+    from gpu_worker.group import GroupComm, GroupEngine, GroupFailed, follow
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'rendezvous'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=TIMEOUT,
+    )
+    engine = Engine(EngineSettings(device="cpu", precision="fp32", num_threads=1))
+    comm = GroupComm(idle_timeout=TIMEOUT)
+    if rank == 1:
+        setattr(engine, "clear_gradients", lambda run_id: os._exit(0))  # noqa: B010
+        follow(engine, comm)
+        return
+    group = GroupEngine(engine, comm)
+    group.create_run("a", TINY, lora(2))
+    seen: dict[str, Any] = {}
+    for call in ("clear", "create", "close"):
+        try:
+            if call == "clear":
+                group.clear_gradients("a")
+            elif call == "create":
+                group.create_run("b", TINY, lora(2))
+            else:
+                group.close()
+            seen[call] = None
+        except GroupFailed as exc:
+            seen[call] = str(exc)
+    seen["local_read"] = group.run_ids()  # what needs no collective still answers
+    (out / "seen.pkl").write_bytes(pickle.dumps(seen))
+
+
+def test_a_rank_that_dies_fails_the_group_at_once_and_for_good(tmp_path):
+    _start_group(tmp_path, _dying_main)
+    seen = pickle.loads((tmp_path / "seen.pkl").read_bytes())
+    assert seen["clear"] is not None and "ClearGradients" in seen["clear"]
+    assert seen["create"] == seen["clear"]  # later calls fail without trying
+    assert seen["close"] is None  # closing a failed group sends nothing
+    assert seen["local_read"] == ["a"]
