@@ -15,6 +15,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from datetime import datetime
+from typing import NamedTuple
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
@@ -92,6 +93,17 @@ FAILOVERS = Counter(
 )
 
 
+class Finished(NamedTuple):
+    """What `oplog.finish` reads back of the op it recorded done."""
+
+    kind: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime
+    status: str = OpStatus.DONE
+    error_category: str | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class RecordedOp:
     """What the metrics need of an op just recorded, read while its transaction is open."""
@@ -105,7 +117,7 @@ class RecordedOp:
     tokens: tuple[tuple[str, int], ...]
 
     @classmethod
-    def of(cls, op: Operation, usage: Iterable[UsageLine]) -> RecordedOp:
+    def of(cls, op: Operation | Finished, usage: Iterable[UsageLine]) -> RecordedOp:
         assert op.finished_at is not None, "only a recorded op is observed"
         failed = op.status == OpStatus.FAILED
         return cls(

@@ -40,6 +40,7 @@ from core import runs
 from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
 from scheduler import failures
 from scheduler.failures import OpFailure
+from scheduler.metrics import Finished
 from scheduler.ops import OpKind
 
 log = logging.getLogger(__name__)
@@ -251,14 +252,35 @@ def _running(db: OrmSession, op_id: str) -> Operation | None:
     return op if op is not None and op.status == OpStatus.RUNNING else None
 
 
+# Built once: it runs for every op. The parameters' names differ from the columns' (an
+# UPDATE's own bound parameters take the columns' names).
+_FINISH = (
+    update(Operation)
+    .where(Operation.id == bindparam("op_id"), Operation.status == OpStatus.RUNNING)
+    .values(
+        status=OpStatus.DONE,
+        finished_at=bindparam("now"),
+        result=bindparam("op_result"),
+        result_codec=bindparam("op_codec"),
+    )
+    .returning(Operation.kind, Operation.created_at, Operation.started_at, Operation.finished_at)
+    .execution_options(synchronize_session=False)
+)
+
+
 def finish(
     db: OrmSession, op_id: str, now: datetime, result: bytes | None, codec: str | None
-) -> Operation | None:
-    """Record a running op's result; None when it is not running (already recorded)."""
-    op = _running(db, op_id)
-    if op is not None:
-        op.status, op.finished_at, op.result, op.result_codec = OpStatus.DONE, now, result, codec
-    return op
+) -> Finished | None:
+    """Record a running op's result; None when it is not running (already recorded). One
+    statement, which neither reads the op first nor loads it into the session."""
+    row = db.execute(
+        _FINISH, {"op_id": op_id, "now": now, "op_result": result, "op_codec": codec}
+    ).first()
+    if row is None:
+        return None
+    kind, created_at, started_at, finished_at = row
+    assert finished_at is not None  # set by this very statement
+    return Finished(kind, created_at, started_at, finished_at)
 
 
 def fail(db: OrmSession, op_id: str, now: datetime, failure: OpFailure) -> Operation | None:

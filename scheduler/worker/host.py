@@ -32,6 +32,7 @@ from core.objectstore import ArtifactStore
 from core.settings import Settings
 from core.tables import (
     ModelVersion,
+    Operation,
     SamplingSession,
     Session,
     SessionStatus,
@@ -601,6 +602,7 @@ class WorkerHost:
         what the metrics count of it and whether the run's state is due for a snapshot (every
         few successful optimizer steps), or None when it was already recorded."""
         now = self.clock.now()
+        op: Operation | metrics.Finished | None
         with self.database.transaction() as db:
             if outcome.error is not None:
                 op = oplog.fail(db, task.id, now, outcome.error)
