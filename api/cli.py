@@ -215,27 +215,63 @@ def worker(
     worker_id: Annotated[
         str | None, typer.Option(help="Stable id; default host-device-random.")
     ] = None,
+    group_size: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Ranks (processes, one device each) serving the models together as one worker "
+            "group; any rank ending ends the group (default: TREADLE_WORKER_GROUP_SIZE, 1).",
+        ),
+    ] = None,
+    devices: Annotated[
+        str | None,
+        typer.Option(
+            help="A group's devices, one per rank, comma-separated, e.g. cuda:0,cuda:1 "
+            "(default: cuda:0 to cuda:N-1; with --device cpu, cpu for every rank)."
+        ),
+    ] = None,
 ) -> None:
-    """Run one GPU worker of distributed mode: one per device."""
+    """Run one GPU worker of distributed mode: one per device, or one per group of devices
+    with --group-size."""
     from api import dbschema
     from scheduler.celery_app import warn_if_root
-    from scheduler.worker.process import default_worker_id, run_worker
+    from scheduler.worker.process import (
+        default_worker_id,
+        group_devices,
+        run_worker,
+        run_worker_group,
+    )
 
     settings = _distributed_settings("worker")
     if device is not None:
         settings.device = device
+    if group_size is not None:
+        settings.worker_group_size = group_size
     _logging(settings)
     warn_if_root()
     try:
         settings.secret_bytes()
         dbschema.require_head(Database(settings.resolved_database_url))
+        named = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
+        ranks = group_devices(settings.device, settings.worker_group_size, named)
     except TreadleError as exc:
         raise fail(exc.message) from exc
-    run_worker(
+    if len(ranks) == 1:
+        settings.device = ranks[0]
+        run_worker(
+            settings,
+            worker_id=worker_id or default_worker_id(settings.device),
+            models=models or settings.models,
+        )
+        return
+    status = run_worker_group(
         settings,
-        worker_id=worker_id or default_worker_id(settings.device),
+        worker_id=worker_id or default_worker_id(ranks[0]),
         models=models or settings.models,
+        devices=ranks,
     )
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command()

@@ -100,6 +100,12 @@ class Settings(BaseSettings):
     gap_timeout_seconds: float = 120.0
     # A worker whose lease is not renewed for this long is dead; its runs move elsewhere.
     worker_lease_seconds: float = 15.0
+    # Ranks (processes, one device each) of a worker group serving one base model together
+    # (`treadle-server worker --group-size`); 1 is a plain worker.
+    worker_group_size: int = Field(default=1, ge=1)
+    # How long one collective of a worker group may take, and one command of its rank 0 run
+    # (longer than the longest op): past it the group exits and its runs move elsewhere.
+    group_timeout_seconds: float = Field(default=600.0, gt=0)
     # Touched by a worker after each lease renewal and by beat after each tick, for exec
     # probes (`treadle-server probe`, `core.liveness`); None touches nothing.
     liveness_file: Path | None = None

@@ -85,16 +85,20 @@ def start_host(
     worker_id: str,
     models: list[str],
     distributed: bool,
+    engine: Engine | None = None,
 ) -> WorkerHost:
     """The engine and its host for one process, registered as worker `worker_id`.
 
     A distributed worker loads its models now and runs only the runs placed on it; the
     embedded engine loads each model on first use (the server starts at once) and runs all.
+    `engine` is one built already, with `models` loaded (a worker group's).
     """
     host = WorkerHost(
         database,
         clock,
-        build_engine(settings, preload=models if distributed else None),
+        engine
+        if engine is not None
+        else build_engine(settings, preload=models if distributed else None),
         store,
         notifier,
         worker_id=worker_id,

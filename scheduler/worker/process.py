@@ -2,24 +2,34 @@
 
 Besides Celery wake-ups it polls the database now and then (a lost message costs a poll, not
 an operation), renews its lease, and frees runs whose sessions ended.
+
+A worker group (`run_worker_group`) is N such ranks, one process and one device each: rank 0
+runs the worker above over a `gpu_worker.group.GroupEngine`, the other ranks follow its
+commands, and the parent process watches them all. Any rank that ends ends the group, so it
+is declared dead (or leaves) as one worker.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import multiprocessing.connection
 import os
 import signal
 import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
 
 from celery.signals import worker_shutting_down
 
 from core import liveness
 from core.clock import SystemClock
 from core.db import Database
+from core.errors import ConfigurationError
 from core.objectstore import open_store
 from core.settings import Settings
 from core.tables import WorkerStatus
@@ -31,6 +41,8 @@ from scheduler.worker.celery_tasks import install_host, register_tasks
 if TYPE_CHECKING:
     from celery import Celery
 
+    from gpu_worker.engine import Engine
+    from gpu_worker.group import GroupEngine
     from scheduler.worker.host import WorkerHost
 
 log = logging.getLogger(__name__)
@@ -42,7 +54,17 @@ def default_worker_id(device: str) -> str:
     return f"{socket.gethostname()}-{device.replace(':', '')}-{uuid.uuid4().hex[:6]}"
 
 
-def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None:
+def run_worker(
+    settings: Settings,
+    *,
+    worker_id: str,
+    models: list[str],
+    engine: Engine | None = None,
+    stuck: Callable[[], str | None] | None = None,
+) -> None:
+    """Serve `models` as worker `worker_id` until stopped. `engine` is one already built (a
+    worker group's rank 0 passes its group's); `stuck`, asked before each lease renewal, says
+    why the engine can no longer be trusted, and the process then exits without renewing."""
     from scheduler.worker.host import start_host
 
     # Until the engine is loaded and the lease renewed, the probe must fail.
@@ -64,6 +86,7 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
         worker_id=worker_id,
         models=models,
         distributed=True,
+        engine=engine,
     )
     install_host(host)
     stop = threading.Event()
@@ -75,6 +98,11 @@ def run_worker(settings: Settings, *, worker_id: str, models: list[str]) -> None
     def keep_lease() -> None:
         # Its own thread, so long engine work never lets the lease lapse.
         while not lease_done.wait(settings.worker_lease_seconds / 3):
+            reason = stuck() if stuck is not None else None
+            if reason is not None:
+                # Not renewed: beat declares this worker dead and moves its runs.
+                log.error("worker %s is stuck (%s); exiting", worker_id, reason)
+                os._exit(3)
             try:
                 status = host.renew_lease()
             except Exception:
@@ -171,3 +199,223 @@ def hand_over(host: WorkerHost, settings: Settings, app: Celery) -> None:
     for target_worker in wake:
         wake_worker(app, target_worker)
     log.info("handed over in %.0f ms", (time.monotonic() - started) * 1000)
+
+
+# --- worker groups --------------------------------------------------------------------------
+
+# How long a follower waits for rank 0's next command: a worker may sit idle for days, and a
+# rank 0 that is gone ends the group through the parent, not through this timeout.
+FOLLOWER_IDLE_TIMEOUT = timedelta(days=30)
+
+# How long the parent waits for the other ranks once rank 0 has ended on its own (it sent
+# them Exit) before it kills them.
+RANK_EXIT_GRACE_SECONDS = 30.0
+
+
+def group_devices(device: str, size: int, devices: list[str] | None = None) -> list[str]:
+    """Each rank's device for a group of `size`: `devices` as given (one per rank), else
+    `device` alone for one rank or repeated for `cpu`, else cuda:0..size-1 for `auto` or `cuda` (`auto` without a
+    GPU: cpu). Raises ConfigurationError, saying what to change, for what cannot work."""
+    if devices:
+        if len(devices) != size:
+            raise ConfigurationError(
+                f"--devices names {len(devices)} device(s) for a group of {size}; name one "
+                "per rank, e.g. --devices cuda:0,cuda:1"
+            )
+        return list(devices)
+    if size == 1 or device == "cpu":
+        return [device] * size
+    if device in ("auto", "cuda"):
+        from gpu_worker.ranks import cuda_device_count
+
+        count = cuda_device_count()
+        if count:
+            if count < size:
+                raise ConfigurationError(
+                    f"a group of {size} needs {size} GPUs and this machine has {count}; "
+                    "lower --group-size"
+                )
+            return [f"cuda:{rank}" for rank in range(size)]
+        if device == "auto":
+            return ["cpu"] * size
+        raise ConfigurationError("--device cuda but this machine has no CUDA device")
+    raise ConfigurationError(
+        f"--device {device} names one device and --group-size is {size}; name one device "
+        "per rank with --devices, e.g. --devices cuda:0,cuda:1"
+    )
+
+
+class _Watched:
+    """Rank 0's GroupEngine as its host sees it: each call is timed, so the lease thread can
+    tell a command stuck in flight, and a call that finds the group failed (a rank diverged
+    or a collective failed) ends the process, so the whole group restarts and its runs are
+    restored elsewhere, rather than the host failing op after op on a broken group."""
+
+    def __init__(self, group: GroupEngine) -> None:
+        self._group = group
+        self._lock = threading.Lock()
+        self._started: dict[int, float] = {}
+        self._tokens = itertools.count()
+
+    def __getattr__(self, name: str) -> Any:
+        from gpu_worker.group import GroupFailed
+
+        value = getattr(self._group, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            token = next(self._tokens)
+            with self._lock:
+                self._started[token] = time.monotonic()
+            try:
+                return value(*args, **kwargs)
+            except GroupFailed as exc:
+                log.error("worker group failed (%s); exiting", exc)
+                os._exit(3)
+            finally:
+                with self._lock:
+                    del self._started[token]
+
+        return call
+
+    def busy_seconds(self) -> float:
+        """How long the oldest call in flight has run (0 with none)."""
+        with self._lock:
+            oldest = min(self._started.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+
+def _rank_main(
+    rank: int,
+    settings: Settings,
+    worker_id: str,
+    models: list[str],
+    devices: list[str],
+    init_method: str,
+) -> None:
+    """One rank of a group, in its own (spawned) process."""
+    from core import logs
+
+    logs.configure(settings)
+    try:
+        _rank_life(rank, settings, worker_id, models, devices, init_method)
+    except Exception:
+        log.exception("worker %s rank %d failed", worker_id, rank)
+        raise
+
+
+def _rank_life(
+    rank: int,
+    settings: Settings,
+    worker_id: str,
+    models: list[str],
+    devices: list[str],
+    init_method: str,
+) -> None:
+    from gpu_worker.group import GroupComm, GroupEngine, follow
+    from gpu_worker.ranks import join_group
+    from scheduler.worker.host import build_engine
+
+    if rank > 0:
+        # Rank 0 alone stops on a signal (it hands the runs over, then tells the others to
+        # exit); a follower stopping first would only break the hand-over's last steps.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    device = devices[rank]
+    log.info(
+        "worker %s rank %d of %d on %s: pid %d", worker_id, rank, len(devices), device, os.getpid()
+    )
+    settings = settings.model_copy(update={"device": device})
+    join_group(rank, devices, init_method, timedelta(seconds=settings.group_timeout_seconds))
+    engine = build_engine(settings, preload=models)
+    comm = GroupComm(idle_timeout=FOLLOWER_IDLE_TIMEOUT)
+    if rank > 0:
+        follow(engine, comm)
+        return
+    group = GroupEngine(engine, comm)
+    watched = _Watched(group)
+
+    def stuck() -> str | None:
+        busy = watched.busy_seconds()
+        if busy > settings.group_timeout_seconds:
+            return f"a group command has been in flight for {busy:.0f} s"
+        return None
+
+    try:
+        run_worker(
+            settings,
+            worker_id=worker_id,
+            models=models,
+            engine=cast("Engine", watched),
+            stuck=stuck,
+        )
+    finally:
+        group.close()
+
+
+def run_worker_group(
+    settings: Settings, *, worker_id: str, models: list[str], devices: list[str]
+) -> int:
+    """Run a worker group of `len(devices)` ranks until it ends; returns the exit status.
+
+    The ranks are spawned processes. Rank 0 is the worker the control plane sees; the parent
+    forwards SIGTERM to it alone, so a stop hands the runs over as a plain worker's does. When
+    any rank ends with an error (killed, out of memory, a failed collective) the parent kills
+    the others at once and returns non-zero: rank 0's lease lapses and beat moves its runs, as
+    for one dead worker. Nothing is saved from a group with a rank gone, whose replicas may no
+    longer agree.
+    """
+    from gpu_worker.ranks import spawn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = spawn(
+        _rank_main,
+        (settings, worker_id, models, devices, f"tcp://127.0.0.1:{port}"),
+        len(devices),
+    )
+    log.info("worker group %s: ranks %s on %s", worker_id, [p.pid for p in ranks], devices)
+
+    def forward(signum: int, _frame: object) -> None:
+        if ranks[0].is_alive() and ranks[0].pid is not None:
+            os.kill(ranks[0].pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    # Ctrl-C reaches every rank from the terminal; rank 0 stops on it and the others ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    status = 0
+    grace_until: float | None = None
+    while any(p.exitcode is None for p in ranks):
+        timeout = None if grace_until is None else max(0.0, grace_until - time.monotonic())
+        multiprocessing.connection.wait(
+            [p.sentinel for p in ranks if p.exitcode is None], timeout=timeout
+        )
+        failed = [(rank, p.exitcode) for rank, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+        late = grace_until is not None and time.monotonic() >= grace_until
+        if failed or late:
+            if failed:
+                rank, code = failed[0]
+                assert code is not None
+                log.error(
+                    "worker group %s: rank %d ended (%s); stopping the group",
+                    worker_id,
+                    rank,
+                    f"signal {-code}" if code < 0 else f"exit status {code}",
+                )
+                status = 128 - code if code < 0 else code
+            else:
+                log.error(
+                    "worker group %s: ranks did not exit after rank 0; killing them", worker_id
+                )
+                status = 1
+            for p in ranks:
+                if p.exitcode is None and p.pid is not None:
+                    os.kill(p.pid, signal.SIGKILL)
+            for p in ranks:
+                p.join()
+            break
+        if grace_until is None and ranks[0].exitcode == 0:
+            grace_until = time.monotonic() + RANK_EXIT_GRACE_SECONDS
+    return status

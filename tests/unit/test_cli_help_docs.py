@@ -44,6 +44,13 @@ def test_a_worker_option_and_its_setting_name_each_other(option: str, setting: s
     assert "embedded server" in row and "worker" in row.split("`treadle-server")[0], row
 
 
+def test_the_worker_group_size_option_and_its_setting_name_each_other() -> None:
+    option_help = _help("worker").split("--group-size <", 1)[1].split(" --", 1)[0]
+    assert "(default: TREADLE_WORKER_GROUP_SIZE, 1)" in option_help
+    row = _row("TREADLE_WORKER_GROUP_SIZE")
+    assert "`treadle-server worker --group-size` overrides it" in row, row
+
+
 def test_serve_names_the_settings_its_engine_reads() -> None:
     text = _help("serve")
     assert "TREADLE_DEVICE (auto: the first GPU, else the CPU)" in text
