@@ -15,7 +15,6 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 from datetime import datetime
-from typing import NamedTuple
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
@@ -27,6 +26,7 @@ from core.errors import ConfigurationError
 from core.settings import Settings
 from core.tables import Operation, OpStatus
 from scheduler.fleet_gauges import FleetGauges
+from scheduler.oplog import Finished
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +91,6 @@ FAILOVERS = Counter(
     "live workers); counted by beat as it declares them, from 0 at beat's start.",
     registry=None,  # beat's alone: other processes declare no one dead (`beat_registry`)
 )
-
-
-class Finished(NamedTuple):
-    """What `oplog.finish` reads back of the op it recorded done."""
-
-    kind: str
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime
-    status: str = OpStatus.DONE
-    error_category: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

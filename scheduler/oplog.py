@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import cast
+from typing import NamedTuple, cast
 
 from sqlalchemy import (
     Executable,
@@ -40,7 +40,6 @@ from core import runs
 from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
 from scheduler import failures
 from scheduler.failures import OpFailure
-from scheduler.metrics import Finished
 from scheduler.ops import OpKind
 
 log = logging.getLogger(__name__)
@@ -250,6 +249,17 @@ def _running(db: OrmSession, op_id: str) -> Operation | None:
     # The request body stays unread: it can be large, and it is no longer needed.
     op = db.get(Operation, op_id, options=[defer(Operation.payload)])
     return op if op is not None and op.status == OpStatus.RUNNING else None
+
+
+class Finished(NamedTuple):
+    """What `finish` reads back of the op it recorded done."""
+
+    kind: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime
+    status: str = OpStatus.DONE
+    error_category: str | None = None
 
 
 # Built once: it runs for every op. The parameters' names differ from the columns' (an

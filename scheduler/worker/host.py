@@ -606,7 +606,7 @@ class WorkerHost:
         what the metrics count of it and whether the run's state is due for a snapshot (every
         few successful optimizer steps), or None when it was already recorded."""
         now = self.clock.now()
-        op: Operation | metrics.Finished | None
+        op: Operation | oplog.Finished | None
         with self.database.transaction() as db:
             if outcome.error is not None:
                 op = oplog.fail(db, task.id, now, outcome.error)
