@@ -23,6 +23,11 @@ from tests.embedded_app import EmbeddedApp, datum, embedded_app
 pytestmark = pytest.mark.integration
 
 OPS = 20
+# Statements per op at most, beside BEGIN: measured 18 for optim_step (22.5 before the
+# submission queued its op with one insert and the record wrote its result with one update)
+# and 24 for forward_backward, which also records its usage (28); an idle engine's poll adds
+# one now and then.
+STATEMENTS = {"optim_step": 19, "forward_backward": 25}
 
 
 @pytest.fixture
@@ -33,7 +38,8 @@ def app(tmp_path: Path) -> Iterator[EmbeddedApp]:
 
 
 class TransactionCounter:
-    """Counts SQLite transactions by how they begin: IMMEDIATE (writes) or DEFERRED (reads)."""
+    """Counts SQLite transactions by how they begin, IMMEDIATE (writes) or DEFERRED (reads),
+    and the statements run inside them (`statements`)."""
 
     def __init__(self, app: EmbeddedApp) -> None:
         self.counts: Counter[str] = Counter()
@@ -41,9 +47,11 @@ class TransactionCounter:
         event.listen(app.database.engine, "before_cursor_execute", self._seen)
 
     def _seen(self, _conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if statement.startswith("BEGIN"):
-            with self._lock:
+        with self._lock:
+            if statement.startswith("BEGIN"):
                 self.counts[statement.split()[-1]] += 1
+            else:
+                self.counts["statements"] += 1
 
     def take(self) -> Counter[str]:
         with self._lock:
@@ -83,3 +91,8 @@ def test_an_op_costs_three_writes_and_a_few_reads(app: EmbeddedApp, route: str, 
     # before waiting and once woken), and the engine's look for work before it claims and
     # after it ran. An idle engine's poll may fall into the window now and then.
     assert reads <= 6.5, counts
+    # Statements, beside the transactions: each is a round trip and a turn through SQLAlchemy.
+    # The submit checks the key, reads the run, its session and the seq_id's twin, inserts
+    # and touches the run; the claim reads what is ready and marks it; the record writes the
+    # result and the run's progress; the long-poll reads the future and its usage.
+    assert counts["statements"] / OPS <= STATEMENTS[route], counts
