@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_worker import fsdp
 from gpu_worker.lora import LoraAdapter, target_module_names
 from gpu_worker.protocol import LoraSpec, UserInputError
 
@@ -152,12 +153,21 @@ def apply_optimizer_state(
 
 
 @torch.no_grad()
+def full_state(model: Any) -> dict[str, torch.Tensor]:
+    """The model's weights, whole, on the CPU in float32. Weights sharded over a worker
+    group's ranks are gathered one by one, so every rank must call this alike."""
+    return {
+        k: fsdp.full_tensor(v.detach()).to("cpu", torch.float32)
+        for k, v in model.state_dict().items()
+    }
+
+
 def export_merged(
     model: Any, adapter: LoraAdapter | None, folder: Path, tokenizer_dir: Path
 ) -> None:
     """Write a transformers-loadable folder whose weights are base + scale · B A."""
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    state = full_state(model)
     config = copy.deepcopy(model.config)
     if adapter is not None:
         for name, (a_rI, b_Or) in adapter.weights.items():

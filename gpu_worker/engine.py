@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_worker import checkpoint
+from gpu_worker import checkpoint, fsdp
 from gpu_worker.catalog import Catalog, ModelEntry, count_parameters
 from gpu_worker.decoding import DecodeLoops
 from gpu_worker.lora import LoraAdapter, LoraContext, MultiLoraLinear, adapter_shapes, inject
@@ -48,7 +48,7 @@ from gpu_worker.protocol import (
     UserInputError,
 )
 from gpu_worker.sampling import Job, Sampler, resolve_stop
-from gpu_worker.training import TrainOp, run_ops
+from gpu_worker.training import TrainOp, plan_passes, run_ops
 from gpu_worker.validation import (
     CheckedOp,
     check_adam,
@@ -78,6 +78,10 @@ class EngineSettings:
     catalog_entries: tuple[ModelEntry, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
     cache_dir: str | None = None
+    # Shard every base model's weights over the default process group (FSDP2, `fsdp`): only
+    # for a worker group's ranks, which make the same engine calls in the same order. Such an
+    # engine serves the `models` it loads at start and no others.
+    shard_base: bool = False
 
 
 @dataclass
@@ -131,8 +135,17 @@ class Engine:
         self._lock = threading.RLock()
         self._loops = DecodeLoops(self._new_sampler)
         self._batches = itertools.count()
+        self._mesh = fsdp.mesh_over_group(self.device) if self.settings.shard_base else None
+        if self._mesh is not None and not self.settings.models:
+            raise ValueError("an engine that shards its base models names them in `models`")
         for name in self.settings.models:
-            self._model(name)
+            self._load(name)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the base models' weights are sharded over a worker group's ranks, which
+        must then run every pass and decode step in lockstep."""
+        return self._mesh is not None
 
     # --- catalog ------------------------------------------------------------------------
 
@@ -143,15 +156,40 @@ class Engine:
     def _model(self, name: str) -> _Model:
         canonical = self.catalog.resolve(name).name
         if canonical not in self._models:
-            with self._lock:
-                model = self.catalog.load_model(canonical)
-                model.to(device=self.device, dtype=self.weight_dtype)
-                ctx, wrapped = inject(model)
-                info = self.catalog.info(canonical)
-                info = ModelInfo(**{**info.__dict__, "num_parameters": count_parameters(model)})
-                self._models[canonical] = _Model(canonical, model, ctx, wrapped, info)
-                log.info("loaded base model %s on %s", canonical, self.device)
+            if self._mesh is not None:
+                # loading is not a collective, so one rank alone could load a model the
+                # others lack, and their passes would no longer match
+                raise UserInputError(
+                    f"this worker group shards its base models and serves only "
+                    f"{', '.join(sorted(self._models))}, not {canonical}"
+                )
+            self._load(canonical)
         return self._models[canonical]
+
+    def _load(self, name: str) -> None:
+        canonical = self.catalog.resolve(name).name
+        with self._lock:
+            if canonical in self._models:
+                return
+            model = self.catalog.load_model(canonical)
+            model.to(device=self.device, dtype=self.weight_dtype)
+            ctx, wrapped = inject(model)
+            info = self.catalog.info(canonical)
+            info = ModelInfo(**{**info.__dict__, "num_parameters": count_parameters(model)})
+            if self._mesh is not None:
+                fsdp.shard_model(model, self._mesh)
+            self._models[canonical] = _Model(canonical, model, ctx, wrapped, info)
+            log.info(
+                "loaded base model %s on %s%s",
+                canonical,
+                self.device,
+                f", sharded over {self._mesh.size()} ranks" if self._mesh is not None else "",
+            )
+
+    def base_memory_bytes(self) -> int:
+        """Bytes of the base models' weights held here (this rank's shards when sharded)."""
+        with self._lock:
+            return sum(fsdp.local_bytes(m.model) for m in self._models.values())
 
     def _tokenizer(self, m: _Model) -> object:
         if m.tokenizer is None:
@@ -267,8 +305,15 @@ class Engine:
         """Run validated ops (OpErrors pass through) in as few passes as possible: one
         multi-LoRA batch per base model and direction. When a batch fails its ops are retried
         one by one, so each op fails or succeeds on its own and a failed op leaves its run's
-        gradients as they were."""
+        gradients as they were.
+
+        On a sharded base the ranks run in lockstep instead: every rank runs each (model,
+        direction) batch that any rank has, with as many passes as the rank with the most
+        (shorter ranks and ranks without ops pad with dummy passes), and a failure is not
+        retried but raised, because the ranks' collectives may no longer pair up."""
         with self._lock:
+            if self._mesh is not None:
+                return self._execute_lockstep(ops)
             results: list[ForwardBackwardResult | OpError | None] = [None] * len(ops)
             groups: dict[tuple[str, bool], list[tuple[int, CheckedOp]]] = {}
             for i, op in enumerate(ops):
@@ -301,6 +346,52 @@ class Engine:
                 r if r is not None else OpError("server", "op was not executed") for r in results
             ]
 
+    def _execute_lockstep(
+        self, ops: list[CheckedOp | OpError]
+    ) -> list[ForwardBackwardResult | OpError]:
+        results: list[ForwardBackwardResult | OpError | None] = [
+            op if isinstance(op, OpError) else None for op in ops
+        ]
+        groups: dict[tuple[str, bool], list[tuple[int, CheckedOp]]] = {}
+        for i, op in enumerate(ops):
+            if isinstance(op, CheckedOp):
+                try:
+                    key = (self._run(op.run_id).model.name, op.forward_only)
+                except UserInputError as exc:
+                    results[i] = OpError.of_input(exc)
+                    continue
+                groups.setdefault(key, []).append((i, op))
+        # every rank holds the same models, so every rank lists the same batches, in order
+        keys = [
+            (name, forward_only) for name in sorted(self._models) for forward_only in (False, True)
+        ]
+        planned = [
+            len(
+                plan_passes(
+                    self._train_ops([op for _, op in groups[key]]), self.max_tokens_per_pass
+                )
+            )
+            if key in groups
+            else 0
+            for key in keys
+        ]
+        for key, passes in zip(keys, fsdp.agree_max(planned, self.device), strict=True):
+            if passes == 0:
+                continue
+            members = groups.get(key, [])
+            if members:
+                outs = self._execute([op for _, op in members], passes)
+                for (i, _), out in zip(members, outs, strict=True):
+                    results[i] = out
+            else:
+                self._dummy_passes(self._models[key[0]], not key[1], passes)
+        return [r if r is not None else OpError("server", "op was not executed") for r in results]
+
+    def _train_ops(self, checked: list[CheckedOp]) -> list[TrainOp]:
+        return [
+            TrainOp(self._run(c.run_id).adapter, c.datums, c.loss_fn, c.config) for c in checked
+        ]
+
     def _prepare(self, op: ForwardBackwardOp) -> CheckedOp:
         run = self._run(op.run_id)
         config = check_loss_config(op.loss_fn, op.loss_fn_config)
@@ -308,22 +399,40 @@ class Engine:
         datums = check_datums(op.data, op.loss_fn, info.vocab_size, info.max_context_length, config)
         return CheckedOp(op.run_id, op.loss_fn, config, datums, op.forward_only)
 
-    def _execute(self, checked: list[CheckedOp]) -> list[ForwardBackwardResult]:
-        runs = [self._run(c.run_id) for c in checked]
-        m = runs[0].model
-        ops = [
-            TrainOp(run.adapter, c.datums, c.loss_fn, c.config)
-            for run, c in zip(runs, checked, strict=True)
-        ]
-        return run_ops(
+    def _execute(
+        self, checked: list[CheckedOp], passes: int | None = None
+    ) -> list[ForwardBackwardResult]:
+        """One multi-LoRA batch of one model and direction; with `passes`, dummy passes
+        follow the real ones up to that many (a sharded base's lockstep)."""
+        m = self._run(checked[0].run_id).model
+        ops = self._train_ops(checked)
+        backward = not checked[0].forward_only
+        results = run_ops(
             m.model,
             m.ctx,
             ops,
-            backward=not checked[0].forward_only,
+            backward=backward,
             device=self.device,
             autocast_dtype=self.autocast_dtype,
             max_tokens_per_pass=self.max_tokens_per_pass,
         )
+        if passes is not None:
+            self._dummy_passes(
+                m, backward, passes - len(plan_passes(ops, self.max_tokens_per_pass))
+            )
+        return results
+
+    def _dummy_passes(self, m: _Model, backward: bool, n: int) -> None:
+        """`n` passes that change nothing but take part in the all-gathers of a sharded base,
+        for a rank with fewer passes than another."""
+        for _ in range(n):
+            fsdp.dummy_pass(
+                m.model,
+                m.ctx,
+                backward=backward,
+                device=self.device,
+                autocast_dtype=self.autocast_dtype,
+            )
 
     def optim_step(
         self, run_id: str, adam: AdamParams, reduce: GradReduce | None = None
@@ -571,10 +680,15 @@ class Engine:
         """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
         self.save_state(run_id, path, include_optimizer=False)
 
-    def export_merged(self, run_id: str, path: str | Path) -> None:
-        """A Hugging Face model folder with the adapter merged in, plus tokenizer files."""
+    def export_merged(self, run_id: str, path: str | Path | None) -> None:
+        """A Hugging Face model folder with the adapter merged in, plus tokenizer files. On a
+        sharded base every rank must call it, as it gathers the whole weights; a rank that
+        passes no `path` only takes part in that and writes nothing."""
         with self._lock:
             run = self._run(run_id)
+            if path is None:
+                checkpoint.full_state(run.model.model)
+                return
             checkpoint.export_merged(
                 run.model.model, run.adapter, Path(path), self.tokenizer_dir(run.model.name)
             )

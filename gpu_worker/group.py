@@ -1,8 +1,10 @@
 """A worker group: one base model served by several ranks (processes, one device each), rank 0
 driving the others with torch.distributed.
 
-Every rank holds a whole replica: the base model and every run's LoRA adapter and AdamW
-moments. Training is data parallel. Rank 0 validates a forward_backward batch once, gives each
+Every rank holds a whole replica of every run's LoRA adapter and AdamW moments, and by default
+of the base model too; engines built with `EngineSettings.shard_base` instead hold 1/N of the
+base each (FSDP2, `fsdp`), and then run their passes and decode steps in lockstep (see
+`GroupEngine`). Training is data parallel. Rank 0 validates a forward_backward batch once, gives each
 rank a contiguous slice of every op's datums (`sharding`), and merges the ranks' results, so
 the host sees what one engine would return. Gradients accumulate on each rank and are summed
 once, inside `optim_step`, before the clip norm, so every rank clips and steps on the same
@@ -167,6 +169,15 @@ class ClearGradients:
 
 
 @dataclass
+class ExportMerged:
+    """Sent only when the base is sharded: every rank gathers the whole weights, rank 0
+    writes them to `path`."""
+
+    run_id: str
+    path: str
+
+
+@dataclass
 class SampleStep:
     """Each rank's `SampleShare` follows in a scatter."""
 
@@ -222,6 +233,9 @@ def _apply(engine: Engine, comm: GroupComm, command: object) -> Outcome:
         if isinstance(command, ClearGradients):
             engine.clear_gradients(command.run_id)
             return Outcome("ok")
+        if isinstance(command, ExportMerged):
+            engine.export_merged(command.run_id, command.path if comm.rank == 0 else None)
+            return Outcome("ok")
         raise TypeError(f"unknown group command {command!r}")
     except UserInputError as exc:
         return Outcome("user", message=str(exc), unsupported=isinstance(exc, UnsupportedInput))
@@ -233,14 +247,18 @@ def _apply(engine: Engine, comm: GroupComm, command: object) -> Outcome:
 Grads = dict[str, list[torch.Tensor | None]]
 
 
-def _run_shard(
-    engine: Engine, shard: list[CheckedOp | None]
-) -> tuple[list[ForwardBackwardResult | OpError | None], Grads]:
-    """This rank's slice of a batch: a result per op (None where it had no datums), and the
-    gradients its runs had before, to put back if the op fails on another rank."""
+Slice = tuple[list[ForwardBackwardResult | OpError | None], bool]
+
+
+def _run_shard(engine: Engine, shard: list[CheckedOp | None]) -> tuple[Slice, Grads]:
+    """This rank's slice of a batch: a result per op (None where it had no datums) and
+    whether a failure may have left the ranks out of lockstep (a sharded base's passes failed
+    part way); and the gradients its runs had before, to put back if the op fails on another
+    rank."""
     present = [(i, op) for i, op in enumerate(shard) if op is not None]
     out: list[ForwardBackwardResult | OpError | None] = [None] * len(shard)
     saved: Grads = {}
+    broken = False
     try:
         for _, op in present:
             if not op.forward_only and op.run_id in engine.run_ids():
@@ -252,9 +270,10 @@ def _run_shard(
     except Exception as exc:  # the rank must still answer, so that no collective is skipped
         log.exception("forward_backward slice failed")
         results = [OpError("server", f"{type(exc).__name__}: {exc}") for _ in present]
+        broken = engine.sharded
     for (i, _), result in zip(present, results, strict=True):
         out[i] = result
-    return out, saved
+    return (out, broken), saved
 
 
 def _restore(engine: Engine, saved: Grads, run_ids: Collection[str]) -> None:
@@ -310,8 +329,8 @@ def follow(engine: Engine, comm: GroupComm) -> None:
         if isinstance(command, SampleStep):
             comm.gather(shares.step(engine, comm.scatter()))
         elif isinstance(command, ForwardBackward):
-            out, saved = _run_shard(engine, comm.scatter())
-            comm.gather(out)
+            part, saved = _run_shard(engine, comm.scatter())
+            comm.gather(part)
             _restore(engine, saved, comm.broadcast())
         else:
             comm.gather(_apply(engine, comm, command))
@@ -323,6 +342,12 @@ class GroupEngine:
     Calls that change a run are sent to every rank and run on each replica under one lock, so
     commands from the host and from other threads never interleave their collectives. Calls
     that only read go to the local replica.
+
+    When the engines shard the base (`EngineSettings.shard_base`), every rank must run every
+    decode step alike, so each sampling request is mirrored: every rank samples all of it
+    (the same seed, so the same tokens) and rank 0 answers with its own copy, failing the
+    group if another rank finished differently. A merged export gathers the weights on every
+    rank.
     """
 
     def __init__(self, engine: Engine, comm: GroupComm) -> None:
@@ -341,6 +366,7 @@ class GroupEngine:
         self._aborts: set[str] = set()  # to send with the next step
         self._held: dict[str, SampleResult | OpError] = {}  # finished during a sample_batch
         self._batches = itertools.count()
+        self._mirrored = engine.sharded
 
     @property
     def catalog(self) -> Any:
@@ -464,7 +490,9 @@ class GroupEngine:
                 mine, saved = _run_shard(
                     self.engine, self.comm.scatter(shard_ops(prepared, self.comm.world))
                 )
-                parts: list[list[ForwardBackwardResult | OpError | None]] = self.comm.gather(mine)
+                slices: list[Slice] = self.comm.gather(mine)
+                parts = [part for part, _ in slices]
+                broken = [rank for rank, (_, b) in enumerate(slices) if b]
                 results = [
                     p if isinstance(p, OpError) else merge_result([part[i] for part in parts])
                     for i, p in enumerate(prepared)
@@ -480,6 +508,12 @@ class GroupEngine:
                 self.comm.broadcast(sorted(failed))
             except Exception as exc:
                 raise self._fail(f"ForwardBackward: {type(exc).__name__}: {exc}") from exc
+            if broken:
+                _restore(self.engine, saved, failed)
+                raise self._fail(
+                    f"ForwardBackward failed part way on sharded ranks {broken}: their passes "
+                    "may no longer be in lockstep"
+                )
             _restore(self.engine, saved, failed)
             for i, op in enumerate(prepared):
                 if not isinstance(op, CheckedOp) or op.forward_only:
@@ -523,7 +557,11 @@ class GroupEngine:
         self.engine.export_adapter(run_id, path)
 
     def export_merged(self, run_id: str, path: str | Path) -> None:
-        self.engine.export_merged(run_id, path)
+        if self._mirrored:
+            self.engine.adapter(run_id)  # an unknown run is refused before any rank is asked
+            self._command(ExportMerged(run_id, str(path)))
+        else:
+            self.engine.export_merged(run_id, path)
 
     # --- sampling, split by sample over the ranks ------------------------------------------
 
@@ -547,7 +585,10 @@ class GroupEngine:
             for rank, indices in request.shares.items():
                 if rank not in request.done:
                     loads[rank] += len(indices)
-        shares = split_samples(req.num_samples, loads)
+        if self._mirrored:  # rank 0's share is the whole request; the others copy it
+            shares = [list(range(req.num_samples))] + [[] for _ in range(self.comm.world - 1)]
+        else:
+            shares = split_samples(req.num_samples, loads)
         self._requests[key] = _Request(
             {rank: indices for rank, indices in enumerate(shares) if indices},
             progress=[[] for _ in range(req.num_samples)],
@@ -573,9 +614,9 @@ class GroupEngine:
         payload = [
             SampleShare(
                 [
-                    (key, req, self._requests[key].shares[rank])
+                    (key, req, self._requests[key].shares[0 if self._mirrored else rank])
                     for key, req in starts
-                    if rank in self._requests[key].shares
+                    if (0 if self._mirrored else rank) in self._requests[key].shares
                 ],
                 aborts,
             )
@@ -590,6 +631,13 @@ class GroupEngine:
         for rank, report in enumerate(reports):
             if report.error is not None:
                 raise self._fail(f"SampleStep on rank {rank}: {report.error}")
+        if self._mirrored:
+            # a rank whose copy finished at another step would run other decode steps than
+            # rank 0, and the next step's all-gathers would not pair up
+            ends = [sorted(key for key, _ in report.finished) for report in reports]
+            if any(end != ends[0] for end in ends):
+                raise self._fail(f"SampleStep: mirrored requests finished apart: {ends}")
+            reports = reports[:1]
         finished: list[tuple[str, SampleResult | OpError]] = []
         for rank, report in enumerate(reports):
             for key, new in report.progress.items():
