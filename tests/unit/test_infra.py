@@ -725,6 +725,13 @@ def test_chart_workers_take_one_gpu_and_their_pod_name() -> None:
     (container,) = containers(worker)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     args = container["args"]
+    # One rank per GPU of the pod: the group size is the GPU limit itself, and the device is
+    # left for the worker to number (`cuda` alone, or cuda:0..N-1 for a group).
+    template = templates()["worker.yaml"]
+    assert '"--group-size", "{{ index .Values.worker.resources.limits "nvidia.com/gpu" }}"' in (
+        template
+    )
+    assert option(args, "--device") == "cuda"
     assert args[args.index("--worker-id") + 1] == "$(TREADLE_WORKER_ID)"
     env = {e["name"]: e for e in container["env"]}
     assert env["TREADLE_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
