@@ -236,6 +236,7 @@ def worker(
     from api import dbschema
     from scheduler.celery_app import warn_if_root
     from scheduler.worker.process import (
+        check_models,
         default_worker_id,
         group_devices,
         run_worker,
@@ -250,10 +251,11 @@ def worker(
     _logging(settings)
     warn_if_root()
     try:
-        settings.secret_bytes()
-        dbschema.require_head(Database(settings.resolved_database_url))
         named = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
         ranks = group_devices(settings.device, settings.worker_group_size, named)
+        check_models(settings, models or settings.models, len(ranks))
+        settings.secret_bytes()
+        dbschema.require_head(Database(settings.resolved_database_url))
     except TreadleError as exc:
         raise fail(exc.message) from exc
     if len(ranks) == 1:

@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     # Hugging Face model folders on the workers' disks, by the name they are served under,
     # e.g. {"Qwen/Qwen3-8B": "/models/Qwen3-8B"}; list those names in `models` too.
     model_folders: dict[str, str] = Field(default_factory=dict)
+    # Ranks of a worker group that must serve a model folder together, by served name, e.g.
+    # {"Qwen/Qwen3-8B": 2} (others: 1): a worker with fewer ranks refuses to start with it, and
+    # placement gives its runs to workers with at least that many while any lives.
+    model_devices: dict[str, int] = Field(default_factory=dict)
     default_max_concurrent_sessions: int = 4
     default_max_lora_rank: int = 64
 
@@ -165,6 +169,17 @@ class Settings(BaseSettings):
                 "e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`"
             )
         return value
+
+    @field_validator("model_devices")
+    @classmethod
+    def _positive_devices(cls, devices: dict[str, int]) -> dict[str, int]:
+        for name, count in devices.items():
+            if count < 1:
+                raise ValueError(
+                    f"TREADLE_MODEL_DEVICES gives {name!r} {count} devices; give each model "
+                    "at least 1 (or leave it out for 1)"
+                )
+        return devices
 
     @field_validator("log_format", mode="before")
     @classmethod

@@ -378,6 +378,8 @@ class Worker(Base):
     # What the engine holds, reported with each lease renewal.
     held_runs: Mapped[int] = mapped_column(Integer, default=0)
     adapter_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Ranks (devices) of a worker group serving as this worker; 1 for a plain worker.
+    group_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     lease_expires_at: Mapped[datetime]
     registered_at: Mapped[datetime]
     # When it last handed its runs over and left (a drain or a stop on purpose).

@@ -47,6 +47,9 @@ class ModelEntry:
     path: str = ""  # folder for hf_folder
     aliases: tuple[str, ...] = ()
     revision: str = ""  # the weights' revision (a hub commit), where the operator knows it
+    # Ranks of a worker group that must serve the model together (a worker with fewer refuses
+    # to load it); every rank still holds the whole model.
+    devices: int = 1
 
 
 def _tiny(
@@ -120,8 +123,10 @@ class Catalog:
         self._lora_sizes: dict[str, dict[str, int]] = {}
 
     @staticmethod
-    def hf_folder(name: str, path: str, aliases: tuple[str, ...] = ()) -> ModelEntry:
-        return ModelEntry(name=name, kind="hf_folder", path=path, aliases=aliases)
+    def hf_folder(
+        name: str, path: str, aliases: tuple[str, ...] = (), devices: int = 1
+    ) -> ModelEntry:
+        return ModelEntry(name=name, kind="hf_folder", path=path, aliases=aliases, devices=devices)
 
     def resolve(self, name: str) -> ModelEntry:
         canonical = self.aliases.get(name, name)

@@ -61,6 +61,9 @@ class WorkerRow:
     worker_id: str
     hostname: str
     device: str
+    """Its first device; a worker group's rank 0's."""
+    group_size: int
+    """Ranks (devices) of the worker group it is; 1 for one device."""
     status: str
     lease_expires_in_seconds: float
     """Until its lease lapses; negative: it lapsed that long ago."""
@@ -201,6 +204,7 @@ def workers(
             worker_id=w.id,
             hostname=w.hostname,
             device=w.device,
+            group_size=w.group_size,
             status=w.status,
             lease_expires_in_seconds=_seconds(w.lease_expires_at, now),
             runs_placed=placed.get(w.id, 0),

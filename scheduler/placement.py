@@ -1,7 +1,8 @@
 """Placement: which live worker holds a training run or a sampling session.
 
-A target goes to a live worker (lease not expired) that serves its base model, preferring the
-one holding the fewest active runs. A nameless sampler snapshot goes where its training run is,
+A target goes to a live worker (lease not expired) that serves its base model with enough
+devices (a worker group's ranks; a model may need several, `TREADLE_MODEL_DEVICES`), preferring
+the one holding the fewest active runs per device, then the larger group. A nameless sampler snapshot goes where its training run is,
 when that worker is alive; a live sampler (`live:<run>`, the run's current weights) always goes
 where its run is, placing the run first when no live worker holds it. Nothing here talks to workers; the dispatcher does.
 """
@@ -9,6 +10,7 @@ where its run is, placing the run first when no live worker holds it. Nothing he
 from __future__ import annotations
 
 from datetime import datetime
+from fractions import Fraction
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
@@ -19,16 +21,24 @@ from core.tables import SamplingSession, TrainingRun, Worker
 from scheduler import workers
 
 
-def _serves(worker: Worker, model: str) -> bool:
-    return any(entry["name"] == model for entry in worker.models)
+def _devices(worker: Worker, model: str) -> int | None:
+    """The devices `worker` registered `model` with (None: it does not serve it)."""
+    for entry in worker.models:
+        if entry["name"] == model:
+            return int(entry.get("devices", 1))
+    return None
 
 
 def live_servers(
     db: OrmSession, settings: Settings, now: datetime, base_model: str
 ) -> list[Worker]:
-    """The live workers serving `base_model` (an alias: the model it names)."""
+    """The live workers serving `base_model` (an alias: the model it names) with as many
+    devices as it needs: the most any of them registered it with, so while a group that
+    large lives, a worker configured with fewer devices for the model is passed over."""
     served = settings.model_aliases.get(base_model, base_model)
-    return [w for w in workers.live(db, now) if _serves(w, served)]
+    serving = [(w, n) for w in workers.live(db, now) if (n := _devices(w, served)) is not None]
+    needed = max((n for _, n in serving), default=1)
+    return [w for w, _ in serving if w.group_size >= needed]
 
 
 def choose_worker(
@@ -45,7 +55,12 @@ def choose_worker(
         .group_by(TrainingRun.worker_id)
     ).all()
     load = {worker_id: count for worker_id, count in rows}
-    return min(candidates, key=lambda w: (load.get(w.id, 0), w.id)).id
+    # Runs per device: a group of 4 takes about 4 times the runs of one device before it
+    # counts as as loaded. Compared as fractions, so equal loads tie exactly.
+    return min(
+        candidates,
+        key=lambda w: (Fraction(load.get(w.id, 0), max(w.group_size, 1)), -w.group_size, w.id),
+    ).id
 
 
 def place(db: OrmSession, settings: Settings, now: datetime, target_id: str) -> str | None:

@@ -29,12 +29,15 @@ def register(
     models: list[dict[str, Any]],
     lease_until: datetime,
     now: datetime,
+    group_size: int = 1,
 ) -> None:
-    """Record a worker (new or restarted), what it serves, and its first lease."""
+    """Record a worker (new or restarted), what it serves, its size (ranks of a worker group,
+    1 for one device), and its first lease."""
     worker = db.get(Worker, worker_id) or Worker(id=worker_id, registered_at=now)
     worker.hostname = socket.gethostname()
     worker.device = device
     worker.models = models
+    worker.group_size = group_size
     worker.status, worker.lease_expires_at = WorkerStatus.LIVE, lease_until
     worker.left_at = None
     db.merge(worker)

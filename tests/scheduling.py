@@ -163,20 +163,33 @@ class Rows:
             ).id
 
     def worker(
-        self, worker_id: str, models: list[str], *, lease_seconds: float = 15.0, dead: bool = False
+        self,
+        worker_id: str,
+        models: list[str],
+        *,
+        lease_seconds: float = 15.0,
+        dead: bool = False,
+        group_size: int = 1,
+        devices: dict[str, int] | None = None,
     ) -> None:
         """A worker registered now serving `models`, its lease ending `lease_seconds` from now;
         `dead` registers it with a lapsed lease and declares it (and any other lapsed) dead,
-        as beat does."""
+        as beat does. A worker group has `group_size` ranks; `devices` gives models that
+        need several the devices it registers them with."""
         now = self.clock.now()
+        needs = devices or {}
         with self.database.transaction() as db:
             workers.register(
                 db,
                 worker_id,
                 device="cpu",
-                models=[{"name": name} for name in models],
+                models=[
+                    {"name": name, **({"devices": needs[name]} if name in needs else {})}
+                    for name in models
+                ],
                 lease_until=now + timedelta(seconds=-1 if dead else lease_seconds),
                 now=now,
+                group_size=group_size,
             )
             if dead:
                 assert worker_id in workers.declare_dead_lapsed(db, now)

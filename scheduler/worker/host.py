@@ -69,7 +69,8 @@ def build_engine(settings: Settings, preload: list[str] | None = None) -> Engine
             aliases=dict(settings.model_aliases),
             models=tuple(preload or ()),
             catalog_entries=tuple(
-                Catalog.hf_folder(name, path) for name, path in settings.model_folders.items()
+                Catalog.hf_folder(name, path, devices=settings.model_devices.get(name, 1))
+                for name, path in settings.model_folders.items()
             ),
         )
     )
@@ -86,12 +87,14 @@ def start_host(
     models: list[str],
     distributed: bool,
     engine: Engine | None = None,
+    group_size: int = 1,
 ) -> WorkerHost:
     """The engine and its host for one process, registered as worker `worker_id`.
 
     A distributed worker loads its models now and runs only the runs placed on it; the
     embedded engine loads each model on first use (the server starts at once) and runs all.
-    `engine` is one built already, with `models` loaded (a worker group's).
+    `engine` is one built already, with `models` loaded (a worker group's of `group_size`
+    ranks).
     """
     host = WorkerHost(
         database,
@@ -109,7 +112,7 @@ def start_host(
         owned_only=distributed,
         lease_seconds=settings.worker_lease_seconds,
     )
-    host.register(models, store)
+    host.register(models, store, group_size=group_size)
     return host
 
 
@@ -186,7 +189,7 @@ class WorkerHost:
 
     # --- start-up -------------------------------------------------------------------------
 
-    def register(self, models: list[str], store: ArtifactStore) -> None:
+    def register(self, models: list[str], store: ArtifactStore, group_size: int = 1) -> None:
         """Record this worker and what it serves; requeue ops a previous life left running.
 
         Each model's tokenizer files are published to the artifact store, from where the API
@@ -208,6 +211,7 @@ class WorkerHost:
                 "max_context_length": info.max_context_length,
                 "vocab_size": info.vocab_size,
                 "lora_parameters_per_rank": lora_sizes[name],
+                "devices": self.engine.catalog.resolve(name).devices,
             }
             for name, info in zip(models, infos, strict=True)
         ]
@@ -219,6 +223,7 @@ class WorkerHost:
                 models=served,
                 lease_until=now + self.lease,
                 now=now,
+                group_size=group_size,
             )
             # Whatever this worker was running when it last stopped never finished: run it again.
             oplog.requeue_held_by(db, [self.worker_id])

@@ -60,11 +60,13 @@ def run_worker(
     worker_id: str,
     models: list[str],
     engine: Engine | None = None,
+    group_size: int = 1,
     stuck: Callable[[], str | None] | None = None,
 ) -> None:
     """Serve `models` as worker `worker_id` until stopped. `engine` is one already built (a
-    worker group's rank 0 passes its group's); `stuck`, asked before each lease renewal, says
-    why the engine can no longer be trusted, and the process then exits without renewing."""
+    worker group's rank 0 passes its group's, of `group_size` ranks); `stuck`, asked before
+    each lease renewal, says why the engine can no longer be trusted, and the process then
+    exits without renewing."""
     from scheduler.worker.host import start_host
 
     # Until the engine is loaded and the lease renewed, the probe must fail.
@@ -87,6 +89,7 @@ def run_worker(
         models=models,
         distributed=True,
         engine=engine,
+        group_size=group_size,
     )
     install_host(host)
     stop = threading.Event()
@@ -245,6 +248,26 @@ def group_devices(device: str, size: int, devices: list[str] | None = None) -> l
     )
 
 
+def check_models(settings: Settings, models: list[str], group_size: int) -> None:
+    """Refuse, saying what to change, to serve a model that needs more devices
+    (`TREADLE_MODEL_DEVICES`) than this worker has ranks, or a device count for a model that
+    is not a model folder (built-in models use one device)."""
+    stray = sorted(set(settings.model_devices) - set(settings.model_folders))
+    if stray:
+        raise ConfigurationError(
+            f"TREADLE_MODEL_DEVICES names {', '.join(stray)}, not in TREADLE_MODEL_FOLDERS; "
+            "give devices for model folders only (built-in models use one device)"
+        )
+    for name in models:
+        needed = settings.model_devices.get(name, 1)
+        if needed > group_size:
+            raise ConfigurationError(
+                f"{name} needs a worker group of {needed} devices (TREADLE_MODEL_DEVICES) and "
+                f"this worker has {group_size}; start it with --group-size {needed} or more, "
+                f"or leave {name} out of its models"
+            )
+
+
 class _Watched:
     """Rank 0's GroupEngine as its host sees it: each call is timed, so the lease thread can
     tell a command stuck in flight, and a call that finds the group failed (a rank diverged
@@ -348,6 +371,7 @@ def _rank_life(
             worker_id=worker_id,
             models=models,
             engine=cast("Engine", watched),
+            group_size=len(devices),
             stuck=stuck,
         )
     finally:

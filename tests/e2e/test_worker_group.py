@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
-from core.tables import TrainingRun
+from core.tables import TrainingRun, Worker
 from scheduler import workers
 from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import SECRET, Cluster, cluster
@@ -89,6 +89,9 @@ def test_group_trains_as_one_worker_and_a_killed_follower_fails_the_run_over(
         with database.reader() as db:
             held.append(db.scalar(select(TrainingRun.worker_id).where(TrainingRun.id == run_id)))
 
+    with database.reader() as db:
+        registered = db.get(Worker, GROUP)
+        assert registered is not None and registered.group_size == 2
     # The group alone serves the model, so it holds the run for the whole loop.
     undisturbed = scenario(url, make_tenant().key, STEPS, on_step=holder)
     assert held == [GROUP] * STEPS

@@ -144,7 +144,7 @@ def test_workers_lists_leases_placed_runs_and_queued_work(cluster: Cluster) -> N
         1,
         1,  # op 2 of its run; op 1 runs
     )
-    assert (b.runs_placed, b.queued_ops, b.device) == (1, 1, "cpu")
+    assert (b.runs_placed, b.queued_ops, b.device, b.group_size) == (1, 1, "cpu", 1)
     # Lapsed, not yet declared dead by beat: still "live", its lease 95 s past.
     assert (lapsing.status, lapsing.lease_expires_in_seconds) == ("live", 5 - ELAPSED)
     assert (lapsing.runs_placed, lapsing.queued_ops) == (1, 2)  # with the live sampler's
@@ -196,6 +196,7 @@ def test_the_admin_commands_show_the_same(cluster: Cluster, database_url: str) -
     assert cluster.busy in on_a and cluster.gapped not in on_a
 
     workers = _cli(database_url, "admin", "workers")
+    assert "ranks" in workers, workers
     assert re.search(r"w-lapsing .* live .* lapsed \d+ s ago", workers), workers
     assert re.search(r"w-a .* live .* expires in 5\d min", workers), workers
 

@@ -239,3 +239,40 @@ def _tenant_row(created_at: datetime) -> dict[str, object]:
         disabled=False,
         created_at=created_at,
     )
+
+
+def test_group_size_revision_makes_every_registered_worker_one_device(database_url: str) -> None:
+    """0011 adds `workers.group_size`, 1 for the workers registered before it; going back drops
+    it and keeps the workers."""
+    database = Database(database_url)
+    dbschema.upgrade(database, "0010")
+    tables = MetaData()
+    tables.reflect(database.engine, only=["workers"])
+    now = datetime(2026, 3, 31, tzinfo=UTC)
+    with database.engine.begin() as conn:
+        conn.execute(
+            tables.tables["workers"].insert(),
+            [
+                dict(
+                    id="w1",
+                    hostname="h",
+                    device="cuda:0",
+                    models=[{"name": "m"}],
+                    status="live",
+                    held_runs=2,
+                    adapter_bytes=0,
+                    lease_expires_at=now,
+                    registered_at=now,
+                )
+            ],
+        )
+
+    dbschema.upgrade(database, "0011")
+    with database.engine.connect() as conn:
+        assert conn.execute(text("SELECT id, group_size FROM workers")).all() == [("w1", 1)]
+
+    dbschema.downgrade(database, "0010")
+    columns = {c["name"] for c in inspect(database.engine).get_columns("workers")}
+    assert "group_size" not in columns
+    with database.engine.connect() as conn:
+        assert conn.execute(text("SELECT id, held_runs FROM workers")).all() == [("w1", 2)]

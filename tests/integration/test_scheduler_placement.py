@@ -81,6 +81,38 @@ def test_an_alias_is_placed_on_a_worker_serving_the_model_it_names(
         assert choose_worker(db, settings, rows.clock.now(), MODEL) == "w-b"
 
 
+def test_a_worker_group_takes_runs_by_its_load_per_rank(rows: Rows, settings: Settings) -> None:
+    tenant = rows.tenant()
+    rows.worker("w-1", [MODEL])
+    rows.worker("w-4", [MODEL], group_size=4)
+    placed = [_place(rows, settings, rows.run(tenant)) for _ in range(7)]
+    # Both idle: the larger group. Then runs per rank: 1/4 > 0, 1/4 < 1 three times, then
+    # 4/4 = 1 ties (the larger group again), and 5/4 > 1.
+    assert placed == ["w-4", "w-1", "w-4", "w-4", "w-4", "w-4", "w-1"]
+
+
+def test_a_model_needing_several_devices_goes_to_groups_that_large_while_any_lives(
+    rows: Rows, settings: Settings
+) -> None:
+    tenant = rows.tenant()
+    # w-0 registers the model as one device (configured without TREADLE_MODEL_DEVICES): the
+    # group registering it with two says what it needs.
+    rows.worker("w-0", [MODEL, OTHER])
+    rows.worker("w-2", [MODEL], group_size=2, devices={MODEL: 2})
+    rows.worker("w-4", [MODEL], group_size=4, devices={MODEL: 2})
+    placed = [_place(rows, settings, rows.run(tenant)) for _ in range(3)]
+    assert placed == ["w-4", "w-2", "w-4"]
+    assert _place(rows, settings, rows.run(tenant, base_model=OTHER)) == "w-0"
+    with rows.database.reader() as db:
+        # by its alias too; 2 runs on 4 ranks tie with 1 on 2: the larger group
+        assert choose_worker(db, settings, rows.clock.now(), ALIAS) == "w-4"
+    rows.worker("w-2", [MODEL], group_size=2, devices={MODEL: 2}, dead=True)
+    rows.worker("w-4", [MODEL], group_size=4, devices={MODEL: 2}, dead=True)
+    # Only w-0 is left, and it loaded the model: what the live workers registered is what
+    # the model needs, so w-0 serves it now.
+    assert _place(rows, settings, rows.run(tenant)) == "w-0"
+
+
 def test_dead_and_lapsed_workers_are_skipped(rows: Rows, settings: Settings) -> None:
     rows.worker("w-a", [MODEL], dead=True)
     rows.worker("w-b", [MODEL], lease_seconds=-1)

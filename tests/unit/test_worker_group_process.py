@@ -1,5 +1,6 @@
-"""The worker group's process side: which device each rank gets, with errors that say what to
-change, and rank 0's engine calls ending the process once the group has failed."""
+"""The worker group's process side: which device each rank gets and which models a worker may
+serve, with errors that say what to change, and rank 0's engine calls ending the process once
+the group has failed."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import threading
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from api.cli import app
 from core.errors import ConfigurationError
+from core.settings import Settings
 from gpu_worker.group import GroupFailed
 from scheduler.worker import process
-from scheduler.worker.process import _Watched, group_devices
+from scheduler.worker.process import _Watched, check_models, group_devices
 
 pytestmark = pytest.mark.unit
 
@@ -50,6 +54,43 @@ def test_a_group_that_cannot_work_is_refused_saying_what_to_change(
     monkeypatch.setattr("gpu_worker.ranks.cuda_device_count", lambda: gpus)
     with pytest.raises(ConfigurationError, match=says.replace("(", r"\(").replace(")", r"\)")):
         group_devices(device, size, devices)
+
+
+BIG = "big/model"
+
+
+def test_a_worker_refuses_a_model_needing_more_devices_than_it_has() -> None:
+    settings = Settings(model_folders={BIG: "/models/big"}, model_devices={BIG: 2})
+    check_models(settings, [BIG, "treadle/tiny-1m"], 2)
+    check_models(settings, [BIG], 4)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"big/model needs a worker group of 2 devices \(TREADLE_MODEL_DEVICES\) and this "
+        r"worker has 1; start it with --group-size 2 or more, or leave big/model out",
+    ):
+        check_models(settings, ["treadle/tiny-1m", BIG], 1)
+    stray = Settings(model_devices={"treadle/tiny-1m": 2})
+    with pytest.raises(ConfigurationError, match="TREADLE_MODEL_DEVICES names treadle/tiny-1m"):
+        check_models(stray, ["treadle/tiny-1m"], 2)
+
+
+def test_the_worker_command_refuses_it_before_starting_anything() -> None:
+    env = {
+        "TREADLE_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none",
+        "TREADLE_REDIS_URL": "redis://127.0.0.1:1/0",
+        "TREADLE_SERVER_SECRET": "a-secret-of-32-characters-000000",
+        "TREADLE_MODEL_FOLDERS": '{"big/model": "/models/big"}',
+        "TREADLE_MODEL_DEVICES": '{"big/model": 2}',
+        "COLUMNS": "300",
+    }
+    result = CliRunner().invoke(app, ["worker", "--device", "cpu", "--models", BIG], env=env)
+    assert result.exit_code != 0
+    assert "start it with --group-size 2 or more" in " ".join(result.output.split())
+
+
+def test_model_devices_are_at_least_one() -> None:
+    with pytest.raises(ValueError, match="give each model at least 1"):
+        Settings(model_devices={BIG: 0})
 
 
 class _Exited(Exception):
