@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,80 +22,34 @@ import torch
 
 from gpu_worker.engine import Engine, EngineSettings
 from gpu_worker.protocol import (
-    AdamParams,
-    Datum,
     ForwardBackwardOp,
     ForwardBackwardResult,
-    LoraSpec,
     OpError,
     SampleRequest,
     SampleResult,
-    SamplingParams,
     UserInputError,
 )
 from gpu_worker.sampling import Sampler
-from tests.gpu_worker.helpers import TINY, VOCAB, assert_same_loss, training_run
+from tests.gpu_worker.group_helpers import (
+    ADAM,
+    REQUESTS,
+    RUNS,
+    SAMPLER,
+    STEPS,
+    TIMEOUT,
+    WORLD,
+    assert_same_samples,
+    datums,
+    lora,
+    sampling_params,
+    start_group,
+    step_ops,
+)
+from tests.gpu_worker.helpers import TINY, assert_same_loss, training_run
 
 pytestmark = pytest.mark.unit
 
-WORLD = 2
-TIMEOUT = timedelta(seconds=60)  # every collective; a broken test fails instead of hanging
-ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
-STEPS = 5
-RUNS = {  # run id: loss, LoRA rank
-    "ce": ("cross_entropy", 8),
-    "ppo": ("ppo", 4),
-    "gspo": ("gspo", 2),
-}
 VICTIM, BYSTANDER, NAN_RUN = "victim", "bystander", "nan-run"
-
-
-def datums(seed: int, loss: str, n: int = 6) -> list[Datum]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        T = int(rng.integers(6, 30))
-        inputs: dict[str, np.ndarray] = {"target_tokens": rng.integers(0, VOCAB, T)}
-        if loss == "cross_entropy":
-            inputs["weights"] = rng.uniform(0, 1, T).astype(np.float32)
-        else:
-            inputs["logprobs"] = -rng.uniform(5, 8, T).astype(np.float32)
-            inputs["advantages"] = rng.normal(size=T).astype(np.float32)
-        out.append(Datum(rng.integers(0, VOCAB, T), inputs))
-    return out
-
-
-def step_ops(step: int, runs: dict[str, tuple[str, int]] = RUNS) -> list[ForwardBackwardOp]:
-    return [
-        ForwardBackwardOp(run, datums(100 * step + i, loss), loss)
-        for i, (run, (loss, _)) in enumerate(runs.items())
-    ]
-
-
-def lora(rank: int) -> LoraSpec:
-    return LoraSpec(rank=rank, seed=rank)
-
-
-def _params(seed: int, max_tokens: int, **kw: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, seed=seed, stop=[], **kw)
-
-
-SAMPLER = "sampler"  # a run loaded from one engine's checkpoint, bitwise its weights
-REQUESTS = [
-    SampleRequest(
-        [5, 17, 300, 41, 9],
-        _params(11, 12, temperature=0.9, top_p=0.95),
-        num_samples=4,
-        base_model=TINY,
-        prompt_logprobs=True,
-        topk_prompt_logprobs=3,
-    ),
-    SampleRequest(list(range(40, 49)), _params(12, 10), run_id=SAMPLER),
-    SampleRequest(
-        [700, 3, 81], _params(13, 14, temperature=0.8, top_k=20), num_samples=3, run_id=SAMPLER
-    ),
-    SampleRequest([1, 2, 3, 4], _params(14, 8, temperature=0.0), num_samples=2, base_model=TINY),
-]
 
 
 # --- what the ranks run -----------------------------------------------------------------
@@ -183,7 +135,9 @@ def _drive_sampling(group: Any, out: Path, seen: dict[str, Any]) -> None:
     seen["streamed"], seen["progress"] = _sample_until_idle(group, ["k0", "k2"])
     seen["batch"] = group.sample_batch([REQUESTS[2], REQUESTS[1]])
 
-    group.sample_start("long", SampleRequest([9, 9, 9], _params(15, 40), 2, base_model=TINY))
+    group.sample_start(
+        "long", SampleRequest([9, 9, 9], sampling_params(15, 40), 2, base_model=TINY)
+    )
     group.sample_step()
     group.sample_step()
     group.sample_abort(["long"])
@@ -194,7 +148,9 @@ def _drive_sampling(group: Any, out: Path, seen: dict[str, Any]) -> None:
 
     (out / "inject-decode").touch()
     try:
-        group.sample_start("doomed", SampleRequest([8, 8], _params(16, 6), 4, base_model=TINY))
+        group.sample_start(
+            "doomed", SampleRequest([8, 8], sampling_params(16, 6), 4, base_model=TINY)
+        )
         seen["doomed_step"] = group.sample_step()
     finally:
         (out / "inject-decode").unlink()
@@ -269,24 +225,6 @@ def _rank_main(rank: int, out: Path) -> None:
 # --- the test side ----------------------------------------------------------------------
 
 
-def _start_group(out: Path, main: Any = None) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(
-        main or _rank_main, args=(out,), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the worker group did not finish in 240 s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(10)
-
-
 @pytest.fixture(scope="module")
 def group_dir(tmp_path_factory, engine) -> Path:
     out = tmp_path_factory.mktemp("group")
@@ -296,7 +234,7 @@ def group_dir(tmp_path_factory, engine) -> Path:
             engine.optim_step("to-load", ADAM)
         engine.save_state("to-load", out / "single_ckpt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _start_group(out)
+    start_group(out, _rank_main)
     return out
 
 
@@ -439,21 +377,6 @@ def expected_samples(engine, group_dir) -> list[SampleResult]:
     return results
 
 
-def assert_same_samples(got: SampleResult | OpError, want: SampleResult) -> None:
-    assert isinstance(got, SampleResult)
-    assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
-    assert [s.stop_reason for s in got.sequences] == [s.stop_reason for s in want.sequences]
-    for g, w in zip(got.sequences, want.sequences, strict=True):
-        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
-    assert got.usage == want.usage
-    assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
-    if want.prompt_logprobs is not None and got.prompt_logprobs is not None:
-        np.testing.assert_allclose(got.prompt_logprobs, want.prompt_logprobs, rtol=1e-5)
-    assert (got.topk_prompt_logprobs is None) == (want.topk_prompt_logprobs is None)
-    if want.topk_prompt_logprobs is not None and got.topk_prompt_logprobs is not None:
-        np.testing.assert_array_equal(got.topk_prompt_logprobs[0], want.topk_prompt_logprobs[0])
-
-
 def test_sampling_split_over_the_ranks_equals_one_engine(seen, expected_samples):
     assert sorted(seen["streamed"]) == [f"k{i}" for i in range(len(REQUESTS))]
     for i, want in enumerate(expected_samples):
@@ -536,7 +459,7 @@ def _dying_main(rank: int, out: Path) -> None:
 
 
 def test_a_rank_that_dies_fails_the_group_at_once_and_for_good(tmp_path):
-    _start_group(tmp_path, _dying_main)
+    start_group(tmp_path, _dying_main)
     seen = pickle.loads((tmp_path / "seen.pkl").read_bytes())
     assert seen["clear"] is not None and "ClearGradients" in seen["clear"]
     assert seen["create"] == seen["clear"]  # later calls fail without trying

@@ -3,8 +3,8 @@ engine: five training steps of three runs, a batch that leaves rank 1 with an em
 fewer passes (it must pad with dummy passes, or the ranks' all-gathers hang), mirrored seeded
 sampling, a merged export that gathers the weights, and each rank's share of the base.
 
-The group is started once per module, as in `test_group`, whose session and helpers it reuses;
-passes are cut at 64 tokens so that the ranks' pass counts differ.
+The group is started once per module, as in `test_group`, with the session and helpers both
+share from `group_helpers`; passes are cut at 64 tokens so that the ranks' pass counts differ.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from gpu_worker.protocol import (
     SampleResult,
     UserInputError,
 )
-from tests.gpu_worker.helpers import TINY, VOCAB, assert_same_loss, training_run
-from tests.gpu_worker.test_group import (
+from tests.gpu_worker.group_helpers import (
     ADAM,
     REQUESTS,
     RUNS,
@@ -37,12 +36,13 @@ from tests.gpu_worker.test_group import (
     STEPS,
     TIMEOUT,
     WORLD,
-    _start_group,
     assert_same_samples,
     datums,
     lora,
+    start_group,
     step_ops,
 )
+from tests.gpu_worker.helpers import TINY, VOCAB, assert_same_loss, training_run
 
 pytestmark = pytest.mark.unit
 
@@ -160,7 +160,7 @@ def group_dir(tmp_path_factory, engine) -> Path:
             engine.optim_step("to-load", ADAM)
         engine.save_state("to-load", out / "single_ckpt")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _start_group(out, _rank_main)
+    start_group(out, _rank_main)
     return out
 
 
