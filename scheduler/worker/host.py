@@ -58,10 +58,15 @@ from treadle.wire import DEFAULT_MAX_BODY_BYTES
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: Settings, preload: list[str] | None = None) -> Engine:
-    """The engine for these settings; `preload` models are loaded now rather than on first use."""
+def build_engine(
+    settings: Settings, preload: list[str] | None = None, *, shard_base: bool = False
+) -> Engine:
+    """The engine for these settings; `preload` models are loaded now rather than on first use.
+    With `shard_base` (a worker group's ranks alone) the base weights are sharded over the
+    group and only the `preload` models are served."""
     return Engine(
         EngineSettings(
+            shard_base=shard_base,
             device=settings.device,
             precision=settings.precision,
             num_threads=settings.torch_threads,

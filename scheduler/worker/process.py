@@ -268,6 +268,14 @@ def check_models(settings: Settings, models: list[str], group_size: int) -> None
             )
 
 
+def shards_base(settings: Settings, models: list[str]) -> bool:
+    """Whether a group serving `models` shards its base weights over its ranks (FSDP2): when
+    one of them needs more than one device (`TREADLE_MODEL_DEVICES`), which says that it does
+    not fit one. Every model the group serves is then sharded, the others too: sharding is
+    the engine's, not a model's."""
+    return any(settings.model_devices.get(name, 1) > 1 for name in models)
+
+
 class _Watched:
     """Rank 0's GroupEngine as its host sees it: each call is timed, so the lease thread can
     tell a command stuck in flight, and a call that finds the group failed (a rank diverged
@@ -351,7 +359,7 @@ def _rank_life(
     )
     settings = settings.model_copy(update={"device": device})
     join_group(rank, devices, init_method, timedelta(seconds=settings.group_timeout_seconds))
-    engine = build_engine(settings, preload=models)
+    engine = build_engine(settings, preload=models, shard_base=shards_base(settings, models))
     comm = GroupComm(idle_timeout=FOLLOWER_IDLE_TIMEOUT)
     if rank > 0:
         follow(engine, comm)

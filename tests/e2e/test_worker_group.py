@@ -1,10 +1,12 @@
 """A worker group of two CPU ranks (`treadle-server worker --group-size 2`) in a real cluster
-(PostgreSQL, Redis, an API replica and beat): it serves a tinker SDK loop as one worker does,
-and a follower killed in the middle of a loop ends the whole group, whose run then fails over
-to a plain worker, each op billed once."""
+(PostgreSQL, Redis, an API replica and beat): serving a model that needs two devices, it shards
+its base weights over its ranks, serves a tinker SDK loop as one worker does, and a follower
+killed in the middle of a loop ends the whole group, whose run then fails over to a plain
+worker, each op billed once."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,6 +33,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 GROUP, SINGLE = "group", "single"
 STEPS = 5
+# A model folder of the cookbook's tests, served here as if it needed two devices.
+BIG = "cookbook/arith-1m"
+BIG_FOLDER = Path(__file__).resolve().parents[1] / "cookbook" / "arith-1m"
 
 
 @pytest.fixture
@@ -43,8 +48,16 @@ def running(
             tmp_path, db_url, redis_url, worker_lease_seconds="3", snapshot_every_steps="2"
         ) as group,
     ):
+        # A model folder that needs both ranks' devices: the group shards its base weights
+        # (every model it serves, the tiny one of the loop too) over its two ranks.
         group.workers[GROUP] = group.spawn(
-            GROUP, "worker", "--device", "cpu", "--group-size", "2", "--worker-id", GROUP
+            GROUP,
+            *("worker", "--device", "cpu", "--group-size", "2", "--worker-id", GROUP),
+            *("--models", "treadle/tiny-1m", "--models", BIG),
+            env={
+                "TREADLE_MODEL_FOLDERS": json.dumps({BIG: str(BIG_FOLDER)}),
+                "TREADLE_MODEL_DEVICES": json.dumps({BIG: 2}),
+            },
         )
         group.start_api("a1")
         group.start_beat()
@@ -92,6 +105,7 @@ def test_group_trains_as_one_worker_and_a_killed_follower_fails_the_run_over(
     with database.reader() as db:
         registered = db.get(Worker, GROUP)
         assert registered is not None and registered.group_size == 2
+    assert "loaded base model treadle/tiny-1m on cpu, sharded over 2 ranks" in group.log(GROUP)
     # The group alone serves the model, so it holds the run for the whole loop.
     undisturbed = scenario(url, make_tenant().key, STEPS, on_step=holder)
     assert held == [GROUP] * STEPS

@@ -15,7 +15,7 @@ from core.errors import ConfigurationError
 from core.settings import Settings
 from gpu_worker.group import GroupFailed
 from scheduler.worker import process
-from scheduler.worker.process import _Watched, check_models, group_devices
+from scheduler.worker.process import _Watched, check_models, group_devices, shards_base
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +72,13 @@ def test_a_worker_refuses_a_model_needing_more_devices_than_it_has() -> None:
     stray = Settings(model_devices={"treadle/tiny-1m": 2})
     with pytest.raises(ConfigurationError, match="TREADLE_MODEL_DEVICES names treadle/tiny-1m"):
         check_models(stray, ["treadle/tiny-1m"], 2)
+
+
+def test_a_group_shards_its_base_when_a_model_needs_more_than_one_device() -> None:
+    settings = Settings(model_folders={BIG: "/models/big"}, model_devices={BIG: 2})
+    assert shards_base(settings, [BIG, "treadle/tiny-1m"])
+    assert not shards_base(settings, ["treadle/tiny-1m"])
+    assert not shards_base(Settings(), ["treadle/tiny-1m", "treadle/tiny-10m"])
 
 
 def test_the_worker_command_refuses_it_before_starting_anything() -> None:
