@@ -152,22 +152,61 @@ def apply_optimizer_state(
             }
 
 
+class WriteFailed(RuntimeError):
+    """A merged export gathered the weights and then failed to write them (a full disk, say):
+    only the rank that writes had it, after every collective of the export was done."""
+
+
+@dataclass
+class MergedTarget:
+    """Where a merged export goes, made ready before any weight is gathered: the folder,
+    created, and the tokenizer files to copy into it."""
+
+    folder: Path
+    tokenizer_files: list[Path]
+
+
+def prepare_merged(folder: Path, tokenizer_dir: Path) -> MergedTarget:
+    """Everything of a merged export that can fail before the weights are gathered (a worker
+    group's rank 0 does this before its ranks start gathering, so that no rank waits in an
+    all-gather for one that failed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = [
+        f
+        for f in sorted(tokenizer_dir.iterdir())
+        if f.is_file()
+        and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges"))
+    ]
+    return MergedTarget(folder, files)
+
+
 @torch.no_grad()
-def full_state(model: Any) -> dict[str, torch.Tensor]:
+def full_state(model: Any, keep: bool = True) -> dict[str, torch.Tensor]:
     """The model's weights, whole, on the CPU in float32. Weights sharded over a worker
-    group's ranks are gathered one by one, so every rank must call this alike."""
-    return {
-        k: fsdp.full_tensor(v.detach()).to("cpu", torch.float32)
-        for k, v in model.state_dict().items()
-    }
+    group's ranks are gathered one by one, so every rank must call this alike; a rank that
+    only takes part in the gathers passes `keep=False`, gets an empty dict and frees each
+    weight as soon as it is gathered."""
+    state: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        whole = fsdp.full_tensor(v.detach())
+        if keep:
+            state[k] = whole.to("cpu", torch.float32)
+        del whole
+    return state
 
 
 def export_merged(
     model: Any, adapter: LoraAdapter | None, folder: Path, tokenizer_dir: Path
 ) -> None:
     """Write a transformers-loadable folder whose weights are base + scale · B A."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = full_state(model)
+    write_merged(model, adapter, full_state(model), prepare_merged(folder, tokenizer_dir))
+
+
+def write_merged(
+    model: Any, adapter: LoraAdapter | None, state: dict[str, torch.Tensor], target: MergedTarget
+) -> None:
+    """Fold the adapter into `state` (the model's whole weights, as `full_state` gives them)
+    and write the folder `prepare_merged` made. Nothing here is a collective."""
     config = copy.deepcopy(model.config)
     if adapter is not None:
         for name, (a_rI, b_Or) in adapter.weights.items():
@@ -180,10 +219,7 @@ def export_merged(
     elif tied:
         state.pop("lm_head.weight", None)
     state = {k: v.contiguous().clone() for k, v in state.items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(str(folder))
-    for f in tokenizer_dir.iterdir():
-        if f.is_file() and (
-            f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges"))
-        ):
-            shutil.copy(f, folder / f.name)
+    save_file(state, str(target.folder / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(target.folder))
+    for f in target.tokenizer_files:
+        shutil.copy(f, target.folder / f.name)

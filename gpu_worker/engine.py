@@ -172,12 +172,17 @@ class Engine:
             if canonical in self._models:
                 return
             model = self.catalog.load_model(canonical)
-            model.to(device=self.device, dtype=self.weight_dtype)
+            if self._mesh is None:
+                model.to(device=self.device, dtype=self.weight_dtype)
+            else:
+                # stays on the CPU: `shard_model` moves one unit at a time to the device and
+                # keeps this rank's shard of it, so no device ever holds the whole model
+                model.to(dtype=self.weight_dtype)
             ctx, wrapped = inject(model)
             info = self.catalog.info(canonical)
             info = ModelInfo(**{**info.__dict__, "num_parameters": count_parameters(model)})
             if self._mesh is not None:
-                fsdp.shard_model(model, self._mesh)
+                fsdp.shard_model(model, self._mesh, self.device)
             self._models[canonical] = _Model(canonical, model, ctx, wrapped, info)
             log.info(
                 "loaded base model %s on %s%s",
@@ -680,15 +685,29 @@ class Engine:
         """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
         self.save_state(run_id, path, include_optimizer=False)
 
-    def export_merged(self, run_id: str, path: str | Path | None) -> None:
-        """A Hugging Face model folder with the adapter merged in, plus tokenizer files. On a
-        sharded base every rank must call it, as it gathers the whole weights; a rank that
-        passes no `path` only takes part in that and writes nothing."""
+    def export_merged(self, run_id: str, path: str | Path) -> None:
+        """A Hugging Face model folder with the adapter merged in, plus tokenizer files."""
+        self.write_merged(run_id, self.prepare_merged(run_id, path))
+
+    def prepare_merged(self, run_id: str, path: str | Path) -> checkpoint.MergedTarget:
+        """What a merged export does before it gathers any weight, which can fail: the run
+        known, the folder made, the tokenizer files found."""
         with self._lock:
             run = self._run(run_id)
-            if path is None:
-                checkpoint.full_state(run.model.model)
+            return checkpoint.prepare_merged(Path(path), self.tokenizer_dir(run.model.name))
+
+    def write_merged(self, run_id: str, target: checkpoint.MergedTarget | None) -> None:
+        """Gather the whole weights and write them to `target` with the adapter merged in. On
+        a sharded base every rank must call it, as the gathers are collectives; a rank given
+        no `target` only takes part in them, holding one whole weight at a time, and writes
+        nothing. Once the gathers are done nothing else is a collective, so a failure to
+        write is this rank's alone (`checkpoint.WriteFailed`)."""
+        with self._lock:
+            run = self._run(run_id)
+            state = checkpoint.full_state(run.model.model, keep=target is not None)
+            if target is None:
                 return
-            checkpoint.export_merged(
-                run.model.model, run.adapter, Path(path), self.tokenizer_dir(run.model.name)
-            )
+            try:
+                checkpoint.write_merged(run.model.model, run.adapter, state, target)
+            except Exception as exc:
+                raise checkpoint.WriteFailed(f"{type(exc).__name__}: {exc}") from exc

@@ -36,11 +36,21 @@ def mesh_over_group(device: torch.device) -> DeviceMesh:
     """One shard per rank of the default process group (which every rank must have joined)."""
     if not dist.is_initialized():
         raise RuntimeError("sharding a base model needs init_process_group on every rank first")
+    if device.type == "cuda" and device.index is not None:
+        # fully_shard puts the shards on the current CUDA device, not on the engine's
+        torch.cuda.set_device(device)
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def shard_model(model: Any, mesh: DeviceMesh) -> None:
-    """Shard `model`'s weights over `mesh`, in place (after LoRA injection)."""
+def shard_model(model: Any, mesh: DeviceMesh, device: torch.device) -> None:
+    """Shard `model`'s weights over `mesh`, in place (after LoRA injection), and put what is
+    not sharded on `device`.
+
+    The model may sit on the CPU: `fully_shard` moves a unit's weights to the mesh's device
+    and replaces each by this rank's shard before the next unit is moved, so the device holds
+    at most one whole unit besides its shards (the unembedding, or one decoder layer). Moving
+    the whole model first would need a device that holds all of it, which is what sharding is
+    for. Buffers and any weight outside the units (rotary frequencies, say) follow after."""
     if getattr(model.config, "tie_word_embeddings", False):
         raise ValueError(
             "a model whose unembedding is tied to its embeddings cannot be sharded by unit "
@@ -55,6 +65,20 @@ def shard_model(model: Any, mesh: DeviceMesh) -> None:
     fully_shard(decoder, mesh=mesh)
     fully_shard(model.get_output_embeddings(), mesh=mesh)
     model.get_input_embeddings().register_forward_hook(_through_every_unit)
+    _move_unsharded(model, device)
+
+
+def _move_unsharded(model: Any, device: torch.device) -> None:
+    """Move the parameters and buffers that are not sharded to `device` (the sharded ones
+    are there already; `Module.to` would visit those too)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                if not isinstance(p, DTensor) and p.device != device:
+                    p.data = p.data.to(device)
+            for name, b in module.named_buffers(recurse=False):
+                if b.device != device:
+                    module._buffers[name] = b.to(device)
 
 
 def _through_every_unit(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor | None:

@@ -26,8 +26,13 @@ sockets, no device copies); gradients over the default group (NCCL on GPUs, gloo
 Failure is fail-stop. An op that fails on any rank fails as a whole and its run's gradients
 are put back on every rank, as one engine does. Anything else that leaves the replicas
 possibly different (a rank refusing what another accepted, a collective that failed or timed
-out) raises `GroupFailed`, and every later call raises it too: the process is expected to exit
-so that the whole group restarts and its runs are restored from their snapshots.
+out) raises `GroupFailed`, and so does every later call that would need the other ranks (an
+op, a sample step, a merged export of a sharded base); calls answered from rank 0's replica
+alone (run ids, saves, adapter exports, memory, progress) still answer, from the state it had
+when the group failed. The process is expected to exit so that the whole group restarts and
+its runs are restored from their snapshots. A merged export of a sharded base whose write
+alone failed on rank 0, after every rank's gathers, fails as an op and leaves the group
+serving.
 
 This module knows nothing of the control plane (database, queues, object storage).
 """
@@ -170,11 +175,11 @@ class ClearGradients:
 
 @dataclass
 class ExportMerged:
-    """Sent only when the base is sharded: every rank gathers the whole weights, rank 0
-    writes them to `path`."""
+    """Sent only when the base is sharded, once rank 0 has made `target` ready: every rank
+    gathers the whole weights, rank 0 writes them there."""
 
     run_id: str
-    path: str
+    target: checkpoint.MergedTarget
 
 
 @dataclass
@@ -209,7 +214,9 @@ class Exit:
 @dataclass
 class Outcome:
     """How one rank's execution of a command ended: `kind` is "ok", "user" (a UserInputError,
-    which every replica raises alike) or "error"."""
+    which every replica raises alike), "local" (a failure of this rank alone after every
+    collective of the command was done, which left its replica as it was: rank 0 failing to
+    write a merged export) or "error"."""
 
     kind: str
     value: Any = None
@@ -234,11 +241,14 @@ def _apply(engine: Engine, comm: GroupComm, command: object) -> Outcome:
             engine.clear_gradients(command.run_id)
             return Outcome("ok")
         if isinstance(command, ExportMerged):
-            engine.export_merged(command.run_id, command.path if comm.rank == 0 else None)
+            engine.write_merged(command.run_id, command.target if comm.rank == 0 else None)
             return Outcome("ok")
         raise TypeError(f"unknown group command {command!r}")
     except UserInputError as exc:
         return Outcome("user", message=str(exc), unsupported=isinstance(exc, UnsupportedInput))
+    except checkpoint.WriteFailed as exc:
+        log.exception("writing a merged export failed on rank %d", comm.rank)
+        return Outcome("local", message=str(exc))
     except Exception as exc:
         log.exception("group command %s failed on rank %d", type(command).__name__, comm.rank)
         return Outcome("error", message=f"{type(exc).__name__}: {exc}")
@@ -389,16 +399,18 @@ class GroupEngine:
                 outcomes: list[Outcome] = self.comm.gather(mine)
             except Exception as exc:
                 raise self._fail(f"{type(command).__name__}: {type(exc).__name__}: {exc}") from exc
+            if mine.kind == "local" and all(o.kind == "ok" for o in outcomes[1:]):
+                raise RuntimeError(mine.message)  # the op fails; the replicas are untouched
             kinds = {o.kind for o in outcomes}
             if len(kinds) > 1:
                 detail = "; ".join(
                     f"rank {r}: {o.kind} {o.message}" for r, o in enumerate(outcomes)
                 )
                 raise self._fail(f"ranks disagree on {type(command).__name__}: {detail}")
-            if mine.kind == "error" and isinstance(command, OptimStep):
-                # it may have failed inside the all-reduce (its ranks' collectives no longer
-                # pair up) or half way through the update
-                raise self._fail(f"OptimStep failed on every rank: {mine.message}")
+            if mine.kind == "error" and isinstance(command, OptimStep | ExportMerged):
+                # it may have failed inside a collective (the ranks' all-reduces or gathers
+                # no longer pair up), or half way through an update
+                raise self._fail(f"{type(command).__name__} failed on every rank: {mine.message}")
             if mine.kind == "user":
                 raise (UnsupportedInput if mine.unsupported else UserInputError)(mine.message)
             if mine.kind == "error":
@@ -557,9 +569,13 @@ class GroupEngine:
         self.engine.export_adapter(run_id, path)
 
     def export_merged(self, run_id: str, path: str | Path) -> None:
+        """On a sharded base every rank gathers the weights; whatever can fail on rank 0
+        alone before that (an unknown run, a folder that cannot be made, the tokenizer) is
+        done first, here, so that it fails before any rank is asked. A write that fails after
+        the gathers fails the export alone: the replicas are as they were."""
         if self._mirrored:
-            self.engine.adapter(run_id)  # an unknown run is refused before any rank is asked
-            self._command(ExportMerged(run_id, str(path)))
+            self._check()
+            self._command(ExportMerged(run_id, self.engine.prepare_merged(run_id, path)))
         else:
             self.engine.export_merged(run_id, path)
 

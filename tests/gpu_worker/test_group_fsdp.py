@@ -1,7 +1,10 @@
 """A worker group of two gloo ranks whose engines shard the base model (FSDP2) against one
 engine: five training steps of three runs, a batch that leaves rank 1 with an empty slice and
 fewer passes (it must pad with dummy passes, or the ranks' all-gathers hang), mirrored seeded
-sampling, a merged export that gathers the weights, and each rank's share of the base.
+sampling, a merged export that gathers the weights, merged exports that fail on rank 0 alone
+(before the gathers, and in the write after them) while the group goes on serving, and each
+rank's share of the base; and, in this process, that a sharded engine shards its model before
+anything moves it to its device.
 
 The group is started once per module, as in `test_group`, with the session and helpers both
 share from `group_helpers`; passes are cut at 64 tokens so that the ranks' pass counts differ.
@@ -13,12 +16,16 @@ import os
 import pickle
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
+from gpu_worker import checkpoint, fsdp
+from gpu_worker.checkpoint import STATE_FILE
 from gpu_worker.engine import Engine, EngineSettings
 from gpu_worker.protocol import (
     Datum,
@@ -103,8 +110,20 @@ def _drive(group: Any, out: Path) -> dict[str, Any]:
         seen["streamed"].update(group.sample_step())
     seen["batch"] = group.sample_batch([REQUESTS[2], REQUESTS[1]])
 
-    group.export_merged("ce", out / "merged")
+    seen["export_unmade"] = _export_error(group, out / "single_ckpt" / STATE_FILE / "merged")
+    with mock.patch.object(checkpoint, "save_file", side_effect=OSError(28, "No space left")):
+        seen["export_unwritten"] = _export_error(group, out / "merged_unwritten")
+    group.export_merged("ce", out / "merged")  # the group still serves
     return seen
+
+
+def _export_error(group: Any, path: Path) -> tuple[str, str] | None:
+    """How a merged export of "ce" to `path` failed on rank 0 (its type and message)."""
+    try:
+        group.export_merged("ce", path)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None
 
 
 def _rank_main(rank: int, out: Path) -> None:
@@ -274,3 +293,56 @@ def test_a_merged_export_gathers_the_sharded_base(engine, group_dir, tmp_path):
     assert (group_dir / "merged" / "config.json").read_text() == (
         tmp_path / "merged" / "config.json"
     ).read_text()
+
+
+def test_a_merged_export_that_fails_on_rank_0_fails_alone(group_dir, seen):
+    # a folder rank 0 cannot make fails before any rank gathers; a write that fails after
+    # the gathers (a full disk) fails the export, not the group, which goes on to export
+    unmade, unwritten = seen["export_unmade"], seen["export_unwritten"]
+    assert unmade is not None and unmade[0] in ("NotADirectoryError", "FileExistsError")
+    assert unwritten == ("RuntimeError", "OSError: [Errno 28] No space left")
+    assert not (group_dir / "merged_unwritten" / "model.safetensors").exists()
+    assert (group_dir / "merged" / "model.safetensors").exists()
+
+
+def test_a_sharded_engine_never_moves_the_whole_model_to_its_device(tmp_path, monkeypatch):
+    """The model is sharded on the CPU, where it was loaded, and `fully_shard` moves each
+    unit's shard to the device. On the CPU the device is where the model already is, so what
+    can be seen here is the order: no `Module.to` with a device before the model is sharded
+    (on a GPU such a call would put the whole model on one device), and every weight of the
+    units a DTensor on the device after."""
+    import torch.distributed as dist
+
+    events: list[tuple[str, torch.device | None]] = []
+    module_to = torch.nn.Module.to
+    shard_model = fsdp.shard_model
+
+    def spy_to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        events.append(("to", device))
+        return module_to(module, *args, **kwargs)
+
+    def spy_shard(*args: Any) -> None:
+        events.append(("shard", None))
+        shard_model(*args)
+
+    monkeypatch.setattr(torch.nn.Module, "to", spy_to)
+    monkeypatch.setattr(fsdp, "shard_model", spy_shard)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        engine = Engine(
+            EngineSettings(device="cpu", precision="fp32", models=(TINY,), shard_base=True)
+        )
+        model = engine.base_module(TINY)
+    finally:
+        dist.destroy_process_group()
+    assert ("shard", None) in events
+    before = events[: events.index(("shard", None))]
+    assert [device for _, device in before if device is not None] == []
+    layers: Any = model.get_decoder().layers  # type: ignore[operator]
+    layer_weights = [p for layer in layers for p in layer.parameters()]
+    assert layer_weights and all(isinstance(p, DTensor) for p in layer_weights)
+    assert all(p.device == engine.device for p in model.parameters())
+    assert all(b.device == engine.device for b in model.buffers())
