@@ -168,8 +168,10 @@ class Catalog:
             return Path(entry.path)
         return self._smollm2_folder()
 
-    def load_model(self, name: str) -> nn.Module:
-        """Build the causal LM on CPU in fp32 (the engine moves and casts it)."""
+    def load_model(self, name: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """Build the causal LM on the CPU (the engine moves and casts it). A model folder's
+        weights are read in `dtype`, so a bf16 engine never holds them in fp32; the tiny
+        models are initialised in fp32 whatever `dtype`, so their weights do not depend on it."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         entry = self.resolve(name)
@@ -187,7 +189,7 @@ class Catalog:
                 "entry at a Hugging Face model folder on local disk"
             )
         model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32, local_files_only=True
+            str(folder), dtype=dtype, local_files_only=True
         )
         return model.eval()
 

@@ -171,7 +171,7 @@ class Engine:
         with self._lock:
             if canonical in self._models:
                 return
-            model = self.catalog.load_model(canonical)
+            model = self.catalog.load_model(canonical, self.weight_dtype)
             if self._mesh is None:
                 model.to(device=self.device, dtype=self.weight_dtype)
             else:

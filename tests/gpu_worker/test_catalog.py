@@ -82,6 +82,14 @@ def test_catalog_models_and_aliases(engine):
 def test_hf_folder_entry_serves_an_exported_model(engine, tmp_path):
     with training_run(engine, "to-folder", LoraSpec(rank=2)):
         engine.export_merged("to-folder", tmp_path / "m")
+    # read in bf16 the weights are those read in fp32 and cast: a bf16 engine (and a sharded
+    # one, which never moves the fp32 model to its device) need never hold them in fp32
+    folder = Catalog([Catalog.hf_folder("local/merged", str(tmp_path / "m"))])
+    in_bf16 = folder.load_model("local/merged", torch.bfloat16).state_dict()
+    cast = folder.load_model("local/merged").to(dtype=torch.bfloat16).state_dict()
+    assert in_bf16.keys() == cast.keys()
+    for key, value in cast.items():
+        assert in_bf16[key].dtype == torch.bfloat16 and torch.equal(in_bf16[key], value), key
     other = Engine(
         EngineSettings(
             device="cpu",
