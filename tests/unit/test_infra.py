@@ -727,10 +727,16 @@ def test_chart_workers_take_one_gpu_and_their_pod_name() -> None:
     args = container["args"]
     # One rank per GPU of the pod: the group size is the GPU limit itself, and the device is
     # left for the worker to number (`cuda` alone, or cuda:0..N-1 for a group).
+    # Helm is not run here (pseudo_render makes the expression X): the expression itself must
+    # read the pod's GPU limit, the one source of the size, and give 1 where values leave it
+    # out, rather than an empty --group-size the worker refuses.
     template = templates()["worker.yaml"]
-    assert '"--group-size", "{{ index .Values.worker.resources.limits "nvidia.com/gpu" }}"' in (
-        template
-    )
+    size = re.search(r'"--group-size", "\{\{\s*(.*?)\s*\}\}"', template)
+    assert size is not None, "--group-size is not taken from the values"
+    assert re.fullmatch(
+        r'index \.Values\.worker\.resources\.limits "nvidia\.com/gpu" \| default 1', size[1]
+    ), size[1]
+    assert not any("GROUP_SIZE" in text for text in templates().values())
     assert option(args, "--device") == "cuda"
     assert args[args.index("--worker-id") + 1] == "$(TREADLE_WORKER_ID)"
     env = {e["name"]: e for e in container["env"]}
