@@ -45,3 +45,10 @@ def join_group(rank: int, devices: list[str], init_method: str, timeout: timedel
         world_size=len(devices),
         timeout=timeout,
     )
+
+
+def leave_group() -> None:
+    """Destroy this process's default process group, if it joined one: a rank exiting with
+    its NCCL communicators still up can hang at interpreter teardown."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,10 +1,11 @@
 """Placement: which live worker holds a training run or a sampling session.
 
 A target goes to a live worker (lease not expired) that serves its base model with enough
-devices (a worker group's ranks; a model may need several, `TREADLE_MODEL_DEVICES`), preferring
-the one holding the fewest active runs per device, then the larger group. A nameless sampler snapshot goes where its training run is,
-when that worker is alive; a live sampler (`live:<run>`, the run's current weights) always goes
-where its run is, placing the run first when no live worker holds it. Nothing here talks to workers; the dispatcher does.
+devices (a worker group's ranks; a model may need several, `TREADLE_MODEL_DEVICES`),
+preferring the one holding the fewest active runs per device, then the larger group. A
+nameless sampler snapshot goes where its training run is, when that worker is alive; a live
+sampler (`live:<run>`, the run's current weights) always goes where its run is, placing the run
+first when no live worker holds it. Nothing here talks to workers; the dispatcher does.
 """
 
 from __future__ import annotations

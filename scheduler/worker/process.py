@@ -12,6 +12,7 @@ is declared dead (or leaves) as one worker.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import multiprocessing.connection
 import os
@@ -22,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from celery.signals import worker_shutting_down
@@ -39,6 +41,8 @@ from scheduler.notify import RedisNotifier
 from scheduler.worker.celery_tasks import install_host, register_tasks
 
 if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
     from celery import Celery
 
     from gpu_worker.engine import Engine
@@ -214,11 +218,15 @@ FOLLOWER_IDLE_TIMEOUT = timedelta(days=30)
 # them Exit) before it kills them.
 RANK_EXIT_GRACE_SECONDS = 30.0
 
+# The longest the parent of a group goes without running its signal handlers.
+SIGNAL_CHECK_SECONDS = 1.0
+
 
 def group_devices(device: str, size: int, devices: list[str] | None = None) -> list[str]:
     """Each rank's device for a group of `size`: `devices` as given (one per rank), else
-    `device` alone for one rank or repeated for `cpu`, else cuda:0..size-1 for `auto` or `cuda` (`auto` without a
-    GPU: cpu). Raises ConfigurationError, saying what to change, for what cannot work."""
+    `device` alone for one rank or repeated for `cpu`, else cuda:0..size-1 for `auto` or
+    `cuda` (`auto` without a GPU: cpu). Raises ConfigurationError, saying what to change, for
+    what cannot work."""
     if devices:
         if len(devices) != size:
             raise ConfigurationError(
@@ -248,10 +256,19 @@ def group_devices(device: str, size: int, devices: list[str] | None = None) -> l
     )
 
 
+def devices_needed(settings: Settings, name: str) -> int:
+    """The devices model `name` (an alias: the model it names, as the engine's catalog
+    resolves it) needs: what `TREADLE_MODEL_DEVICES` gives its model folder, else 1."""
+    return settings.model_devices.get(settings.model_aliases.get(name, name), 1)
+
+
 def check_models(settings: Settings, models: list[str], group_size: int) -> None:
     """Refuse, saying what to change, to serve a model that needs more devices
-    (`TREADLE_MODEL_DEVICES`) than this worker has ranks, or a device count for a model that
-    is not a model folder (built-in models use one device)."""
+    (`TREADLE_MODEL_DEVICES`) than this worker has ranks, a device count for a model that is
+    not a model folder (built-in models use one device), or, in a group that shards its base
+    (`shards_base`), a model folder whose unembedding is tied to its embeddings, which a
+    sharded engine cannot serve (every rank would fail at start, and the group restart for
+    ever otherwise)."""
     stray = sorted(set(settings.model_devices) - set(settings.model_folders))
     if stray:
         raise ConfigurationError(
@@ -259,13 +276,46 @@ def check_models(settings: Settings, models: list[str], group_size: int) -> None
             "give devices for model folders only (built-in models use one device)"
         )
     for name in models:
-        needed = settings.model_devices.get(name, 1)
+        needed = devices_needed(settings, name)
         if needed > group_size:
             raise ConfigurationError(
                 f"{name} needs a worker group of {needed} devices (TREADLE_MODEL_DEVICES) and "
                 f"this worker has {group_size}; start it with --group-size {needed} or more, "
                 f"or leave {name} out of its models"
             )
+    if not shards_base(settings, models):
+        return
+    big = next(name for name in models if devices_needed(settings, name) > 1)
+    for name in models:
+        folder = settings.model_folders.get(settings.model_aliases.get(name, name))
+        if folder is None or not _ties_embeddings(Path(folder)):
+            continue
+        tied = (
+            f"{name}'s unembedding is tied to its embeddings (tie_word_embeddings in "
+            f"{Path(folder) / 'config.json'}), which a sharded base does not support"
+        )
+        if devices_needed(settings, name) > 1:
+            raise ConfigurationError(
+                f"{name} needs {devices_needed(settings, name)} devices "
+                f"(TREADLE_MODEL_DEVICES), so its group shards its base weights, but {tied}; "
+                f"serve {name} with one device (leave it out of TREADLE_MODEL_DEVICES)"
+            )
+        raise ConfigurationError(
+            f"this group shards its base weights, every model's, since {big} needs several "
+            f"devices (TREADLE_MODEL_DEVICES), but {tied}; serve {name} on workers that do "
+            f"not serve {big}"
+        )
+
+
+def _ties_embeddings(folder: Path) -> bool:
+    """Whether the model folder's config.json says `"tie_word_embeddings": true` (read as
+    JSON: this side of the worker loads no model library). A folder without a readable
+    config is left to the engine, which says what is wrong with it."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("tie_word_embeddings") is True
 
 
 def shards_base(settings: Settings, models: list[str]) -> bool:
@@ -273,7 +323,7 @@ def shards_base(settings: Settings, models: list[str]) -> bool:
     one of them needs more than one device (`TREADLE_MODEL_DEVICES`), which says that it does
     not fit one. Every model the group serves is then sharded, the others too: sharding is
     the engine's, not a model's."""
-    return any(settings.model_devices.get(name, 1) > 1 for name in models)
+    return any(devices_needed(settings, name) > 1 for name in models)
 
 
 class _Watched:
@@ -344,9 +394,7 @@ def _rank_life(
     devices: list[str],
     init_method: str,
 ) -> None:
-    from gpu_worker.group import GroupComm, GroupEngine, follow
-    from gpu_worker.ranks import join_group
-    from scheduler.worker.host import build_engine
+    from gpu_worker.ranks import join_group, leave_group
 
     if rank > 0:
         # Rank 0 alone stops on a signal (it hands the runs over, then tells the others to
@@ -359,6 +407,18 @@ def _rank_life(
     )
     settings = settings.model_copy(update={"device": device})
     join_group(rank, devices, init_method, timedelta(seconds=settings.group_timeout_seconds))
+    try:
+        _serve_rank(rank, settings, worker_id, models, len(devices))
+    finally:
+        leave_group()
+
+
+def _serve_rank(
+    rank: int, settings: Settings, worker_id: str, models: list[str], group_size: int
+) -> None:
+    from gpu_worker.group import GroupComm, GroupEngine, follow
+    from scheduler.worker.host import build_engine
+
     engine = build_engine(settings, preload=models, shard_base=shards_base(settings, models))
     comm = GroupComm(idle_timeout=FOLLOWER_IDLE_TIMEOUT)
     if rank > 0:
@@ -379,7 +439,7 @@ def _rank_life(
             worker_id=worker_id,
             models=models,
             engine=cast("Engine", watched),
-            group_size=len(devices),
+            group_size=group_size,
             stuck=stuck,
         )
     finally:
@@ -396,31 +456,51 @@ def run_worker_group(
     any rank ends with an error (killed, out of memory, a failed collective) the parent kills
     the others at once and returns non-zero: rank 0's lease lapses and beat moves its runs, as
     for one dead worker. Nothing is saved from a group with a rank gone, whose replicas may no
-    longer agree.
+    longer agree. A SIGTERM while the ranks are being started kills them once they are, and
+    returns 0: rank 0 has registered nothing yet.
     """
+    # The handlers come first: a SIGTERM while the ranks start would otherwise end this
+    # process alone and leave them running. Handlers, not SIG_IGN, which a spawned rank
+    # would inherit.
+    ranks: list[BaseProcess] = []
+    stopped_early = threading.Event()
+
+    def forward(signum: int, _frame: object) -> None:
+        if not ranks:
+            stopped_early.set()  # the ranks are stopped as soon as they are known
+        elif ranks[0].is_alive() and ranks[0].pid is not None:
+            os.kill(ranks[0].pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    # Ctrl-C reaches every rank from the terminal; rank 0 stops on it and the others ignore it.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+
     from gpu_worker.ranks import spawn
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ranks = spawn(
-        _rank_main,
-        (settings, worker_id, models, devices, f"tcp://127.0.0.1:{port}"),
-        len(devices),
+    ranks.extend(
+        spawn(
+            _rank_main,
+            (settings, worker_id, models, devices, f"tcp://127.0.0.1:{port}"),
+            len(devices),
+        )
     )
     log.info("worker group %s: ranks %s on %s", worker_id, [p.pid for p in ranks], devices)
-
-    def forward(signum: int, _frame: object) -> None:
-        if ranks[0].is_alive() and ranks[0].pid is not None:
-            os.kill(ranks[0].pid, signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, forward)
-    # Ctrl-C reaches every rank from the terminal; rank 0 stops on it and the others ignore it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if stopped_early.is_set():
+        # Stopped before rank 0 could register: nothing to hand over.
+        log.info("worker group %s: stopped while starting; ending its ranks", worker_id)
+        _kill(ranks)
+        return 0
     status = 0
     grace_until: float | None = None
     while any(p.exitcode is None for p in ranks):
-        timeout = None if grace_until is None else max(0.0, grace_until - time.monotonic())
+        # Bounded, as a SIGTERM landing just before the wait starts has its handler run only
+        # once the wait returns.
+        timeout = SIGNAL_CHECK_SECONDS
+        if grace_until is not None:
+            timeout = min(timeout, max(0.0, grace_until - time.monotonic()))
         multiprocessing.connection.wait(
             [p.sentinel for p in ranks if p.exitcode is None], timeout=timeout
         )
@@ -442,12 +522,17 @@ def run_worker_group(
                     "worker group %s: ranks did not exit after rank 0; killing them", worker_id
                 )
                 status = 1
-            for p in ranks:
-                if p.exitcode is None and p.pid is not None:
-                    os.kill(p.pid, signal.SIGKILL)
-            for p in ranks:
-                p.join()
+            _kill(ranks)
             break
         if grace_until is None and ranks[0].exitcode == 0:
             grace_until = time.monotonic() + RANK_EXIT_GRACE_SECONDS
     return status
+
+
+def _kill(ranks: list[BaseProcess]) -> None:
+    """Kill the ranks still running and wait for them all."""
+    for p in ranks:
+        if p.exitcode is None and p.pid is not None:
+            os.kill(p.pid, signal.SIGKILL)
+    for p in ranks:
+        p.join()

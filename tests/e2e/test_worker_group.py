@@ -2,7 +2,7 @@
 (PostgreSQL, Redis, an API replica and beat): serving a model that needs two devices, it shards
 its base weights over its ranks, serves a tinker SDK loop as one worker does, and a follower
 killed in the middle of a loop ends the whole group, whose run then fails over to a plain
-worker, each op billed once."""
+worker, each op billed once; restarted, the group stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from sqlalchemy import func, select
 from billing.tables import UsageEvent
 from core.db import Database
 from core.settings import Settings
-from core.tables import TrainingRun, Worker
+from core.tables import TrainingRun, Worker, WorkerStatus
 from scheduler import workers
 from tests.builders import TenantFactory, tenant_factory
 from tests.cluster import SECRET, Cluster, cluster
@@ -48,23 +48,27 @@ def running(
             tmp_path, db_url, redis_url, worker_lease_seconds="3", snapshot_every_steps="2"
         ) as group,
     ):
-        # A model folder that needs both ranks' devices: the group shards its base weights
-        # (every model it serves, the tiny one of the loop too) over its two ranks.
-        group.workers[GROUP] = group.spawn(
-            GROUP,
-            *("worker", "--device", "cpu", "--group-size", "2", "--worker-id", GROUP),
-            *("--models", "treadle/tiny-1m", "--models", BIG),
-            env={
-                "TREADLE_MODEL_FOLDERS": json.dumps({BIG: str(BIG_FOLDER)}),
-                "TREADLE_MODEL_DEVICES": json.dumps({BIG: 2}),
-            },
-        )
+        _start_group(group)
         group.start_api("a1")
         group.start_beat()
         database = Database(db_url)
         _wait_live(database, GROUP)
         settings = Settings(database_url=db_url, server_secret=SecretStr(SECRET))
         yield group, database, tenant_factory(database, settings)
+
+
+def _start_group(group: Cluster) -> None:
+    # A model folder that needs both ranks' devices: the group shards its base weights (every
+    # model it serves, the tiny one of the loop too) over its two ranks.
+    group.workers[GROUP] = group.spawn(
+        GROUP,
+        *("worker", "--device", "cpu", "--group-size", "2", "--worker-id", GROUP),
+        *("--models", "treadle/tiny-1m", "--models", BIG),
+        env={
+            "TREADLE_MODEL_FOLDERS": json.dumps({BIG: str(BIG_FOLDER)}),
+            "TREADLE_MODEL_DEVICES": json.dumps({BIG: 2}),
+        },
+    )
 
 
 def _wait_live(database: Database, worker_id: str, seconds: float = 120) -> None:
@@ -78,9 +82,10 @@ def _wait_live(database: Database, worker_id: str, seconds: float = 120) -> None
 
 
 def _rank_pids(group: Cluster) -> list[int]:
-    found = re.search(r"worker group \S+: ranks \[(\d+), (\d+)\]", group.log(GROUP))
-    assert found is not None, group.log(GROUP)[-3000:]
-    return [int(found[1]), int(found[2])]
+    """The ranks of the group's latest start."""
+    found = re.findall(r"worker group \S+: ranks \[(\d+), (\d+)\]", group.log(GROUP))
+    assert found, group.log(GROUP)[-3000:]
+    return [int(pid) for pid in found[-1]]
 
 
 def _alive(pid: int) -> bool:
@@ -144,3 +149,15 @@ def test_group_trains_as_one_worker_and_a_killed_follower_fails_the_run_over(
     single = scenario(url, make_tenant().key, STEPS)
     assert undisturbed == pytest.approx(single, rel=1e-6)
     assert failed_over == pytest.approx(single, rel=1e-6)
+
+    # Restarted under its id, as its supervisor does, the group stops cleanly on SIGTERM to its
+    # first process: rank 0 hands over and leaves, every rank exits, and so does the command.
+    _start_group(group)
+    _wait_live(database, GROUP)
+    ranks = _rank_pids(group)
+    os.kill(group.workers[GROUP].pid, signal.SIGTERM)
+    assert group.workers[GROUP].wait(timeout=60) == 0, group.log(GROUP)[-3000:]
+    assert not any(_alive(pid) for pid in ranks)
+    with database.reader() as db:
+        stopped = db.get(Worker, GROUP)
+        assert stopped is not None and stopped.status == WorkerStatus.LEFT

@@ -1,19 +1,32 @@
 """The worker group's process side: which device each rank gets and which models a worker may
-serve, with errors that say what to change, and rank 0's engine calls ending the process once
-the group has failed."""
+serve (aliases as the models they name), with errors that say what to change, rank 0's engine
+calls ending the process once the group has failed, the parent's SIGTERM reaching its ranks
+however early it comes, and every rank leaving its process group."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
 import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 from typer.testing import CliRunner
 
 from api.cli import app
 from core.errors import ConfigurationError
 from core.settings import Settings
+from gpu_worker.catalog import Catalog
 from gpu_worker.group import GroupFailed
+from gpu_worker.ranks import leave_group
 from scheduler.worker import process
 from scheduler.worker.process import _Watched, check_models, group_devices, shards_base
 
@@ -81,6 +94,67 @@ def test_a_group_shards_its_base_when_a_model_needs_more_than_one_device() -> No
     assert not shards_base(Settings(), ["treadle/tiny-1m", "treadle/tiny-10m"])
 
 
+def test_an_alias_needs_the_devices_of_the_model_it_names() -> None:
+    alias = "org/big-alias"
+    settings = Settings(
+        model_folders={BIG: "/models/big"},
+        model_devices={BIG: 2},
+        model_aliases={alias: BIG},
+    )
+    with pytest.raises(ConfigurationError, match=f"{alias} needs a worker group of 2 devices"):
+        check_models(settings, [alias], 1)
+    check_models(settings, [alias], 2)
+    assert shards_base(settings, [alias, "treadle/tiny-1m"])
+    # What the worker registers the alias with: its engine's catalog, built as build_engine
+    # builds it, resolves the alias to the folder's entry.
+    catalog = Catalog(
+        entries=[
+            Catalog.hf_folder(name, path, devices=settings.model_devices.get(name, 1))
+            for name, path in settings.model_folders.items()
+        ],
+        aliases=dict(settings.model_aliases),
+    )
+    for name in (alias, BIG, "treadle/tiny-1m"):
+        assert process.devices_needed(settings, name) == catalog.resolve(name).devices
+
+
+def _folder(path: Path, tied: bool | None) -> str:
+    path.mkdir()
+    config = {"model_type": "llama"} | ({} if tied is None else {"tie_word_embeddings": tied})
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_a_sharding_group_refuses_a_folder_with_tied_embeddings(tmp_path: Path) -> None:
+    tied, untied = _folder(tmp_path / "tied", True), _folder(tmp_path / "untied", False)
+    unsaid = _folder(tmp_path / "unsaid", None)
+    small = "small/tied"
+    folders = {BIG: tied, small: tied, "big/untied": untied, "big/unsaid": unsaid}
+    devices = {BIG: 2, "big/untied": 2, "big/unsaid": 2}
+    settings = Settings(
+        model_folders=folders, model_devices=devices, model_aliases={"tied/alias": BIG}
+    )
+    for served in ([BIG], ["tied/alias", "treadle/tiny-1m"]):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"needs 2 devices \(TREADLE_MODEL_DEVICES\), so its group shards its base "
+            r"weights, but .*'s unembedding is tied to its embeddings \(tie_word_embeddings in "
+            f"{tied}/config.json" + r"\), which a sharded base does not support; serve .* with "
+            r"one device",
+        ):
+            check_models(settings, served, 2)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"this group shards its base weights, every model's, since big/untied needs "
+        r"several devices .* but small/tied's unembedding is tied .* serve small/tied on "
+        r"workers that do not serve big/untied",
+    ):
+        check_models(settings, ["big/untied", small], 2)
+    # Replicated, a tied model is served as usual; untied or unsaid, it is sharded.
+    check_models(settings, [small, "treadle/tiny-1m"], 2)
+    check_models(settings, ["big/untied", "big/unsaid", "treadle/tiny-1m"], 2)
+
+
 def test_the_worker_command_refuses_it_before_starting_anything() -> None:
     env = {
         "TREADLE_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none",
@@ -143,3 +217,106 @@ def test_watched_calls_are_timed_and_a_failed_group_ends_the_process(
         watched.broken()
     assert exited.value.args == (3,)
     assert watched.busy_seconds() == 0.0
+
+
+@pytest.fixture
+def parent_signals() -> Iterator[None]:
+    """run_worker_group installs its own SIGTERM and SIGINT handlers: put pytest's back."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def _sleeper() -> None:
+    time.sleep(60)
+
+
+def _stops_on_sigterm(ready: Any, done: Any) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    ready.release()
+    signal.sigwait({signal.SIGTERM})
+    done.release()
+
+
+def _follows(done: Any) -> None:
+    done.acquire(timeout=60)
+
+
+def test_a_sigterm_while_the_ranks_start_ends_them_and_the_group_with_status_0(
+    monkeypatch: pytest.MonkeyPatch, parent_signals: None
+) -> None:
+    started: list[BaseProcess] = []
+
+    def spawn(fn: Any, args: tuple[Any, ...], nprocs: int) -> list[BaseProcess]:
+        # The stop arrives before the ranks are known to the parent.
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(nprocs):
+            rank = multiprocessing.get_context("fork").Process(target=_sleeper)
+            rank.start()
+            started.append(rank)
+        return list(started)
+
+    monkeypatch.setattr("gpu_worker.ranks.spawn", spawn)
+    status = process.run_worker_group(
+        Settings(), worker_id="w", models=["treadle/tiny-1m"], devices=["cpu", "cpu"]
+    )
+    assert status == 0
+    assert [rank.exitcode for rank in started] == [-signal.SIGKILL, -signal.SIGKILL]
+
+
+def test_a_sigterm_once_the_ranks_run_goes_to_rank_0_alone(
+    monkeypatch: pytest.MonkeyPatch, parent_signals: None
+) -> None:
+    fork = multiprocessing.get_context("fork")
+    ready, done = fork.Semaphore(0), fork.Semaphore(0)
+    started: list[BaseProcess] = []
+
+    def spawn(fn: Any, args: tuple[Any, ...], nprocs: int) -> list[BaseProcess]:
+        started.append(fork.Process(target=_stops_on_sigterm, args=(ready, done)))
+        started.append(fork.Process(target=_follows, args=(done,)))
+        for rank in started:
+            rank.start()
+        return list(started)
+
+    main, watching = threading.get_ident(), threading.Event()
+    wait = multiprocessing.connection.wait
+
+    def watch(*args: Any, **kwargs: Any) -> Any:
+        watching.set()  # the parent knows its ranks and watches them
+        return wait(*args, **kwargs)
+
+    def stop() -> None:
+        assert ready.acquire(timeout=30) and watching.wait(30)
+        signal.pthread_kill(main, signal.SIGTERM)
+
+    monkeypatch.setattr("gpu_worker.ranks.spawn", spawn)
+    monkeypatch.setattr(process.multiprocessing.connection, "wait", watch)
+    stopper = threading.Thread(target=stop)
+    stopper.start()
+    status = process.run_worker_group(
+        Settings(), worker_id="w", models=["treadle/tiny-1m"], devices=["cpu", "cpu"]
+    )
+    stopper.join()
+    assert status == 0
+    assert [rank.exitcode for rank in started] == [0, 0]
+
+
+def test_a_rank_leaves_its_process_group_however_its_serving_ends(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    served: list[bool] = []
+
+    def serve(*args: Any) -> None:
+        served.append(dist.is_initialized())
+        raise RuntimeError("the engine could not load")
+
+    monkeypatch.setattr(process, "_serve_rank", serve)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    with pytest.raises(RuntimeError, match="could not load"):
+        process._rank_life(0, Settings(), "w", ["treadle/tiny-1m"], ["cpu"], init)
+    assert served == [True]
+    assert not dist.is_initialized()
+    leave_group()  # without a group: nothing to do
