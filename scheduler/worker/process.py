@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 
 from core import liveness
 from core.clock import SystemClock
@@ -52,6 +52,53 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
+# How long a stop that came before Celery's own signal handling is held for it (`_EarlyStop`).
+EARLY_STOP_SECONDS = 60.0
+
+
+class _EarlyStop:
+    """SIGTERM before Celery handles signals itself (it installs its handlers as it starts, after
+    the worker registered): held, and sent again once Celery is ready, so a worker stopped
+    while it starts still leaves through the hand-over rather than dying with its lease live.
+    A Celery that is not ready within `EARLY_STOP_SECONDS` (its broker unreachable) is not
+    waited for: the process then ends as SIGTERM would have ended it. One per process.
+
+    The handler and `replay` both run on the main thread, and the timer only reads a flag: no
+    lock, which a signal handler could deadlock on."""
+
+    def __init__(self) -> None:
+        self._pending: threading.Timer | None = None
+        self._ready = False
+
+    def install(self) -> None:
+        """From the main thread, before the worker registers; again is harmless."""
+        signal.signal(signal.SIGTERM, self._held)
+
+    def _held(self, _signum: int, _frame: object) -> None:
+        if self._pending is not None:
+            return
+        log.info("stopping once the worker is ready (at most %.0f s)", EARLY_STOP_SECONDS)
+        self._pending = threading.Timer(EARLY_STOP_SECONDS, self._give_up)
+        self._pending.daemon = True
+        self._pending.start()
+
+    def _give_up(self) -> None:
+        if self._ready:
+            return
+        log.warning("the worker was not ready %.0f s after SIGTERM; exiting", EARLY_STOP_SECONDS)
+        os._exit(128 + signal.SIGTERM)
+
+    def replay(self, **_: object) -> None:
+        """Celery's `worker_ready`: a stop held meanwhile reaches Celery's own handler now."""
+        self._ready = True
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+_early_stop = _EarlyStop()
+worker_ready.connect(_early_stop.replay, weak=False)
 
 
 def default_worker_id(device: str) -> str:
@@ -73,6 +120,7 @@ def run_worker(
     exits without renewing."""
     from scheduler.worker.host import start_host
 
+    _early_stop.install()
     # Until the engine is loaded and the lease renewed, the probe must fail.
     liveness.forget(settings.liveness_file)
     # What this worker's host records (`scheduler.metrics`). Bound first: a port taken stops
@@ -401,6 +449,9 @@ def _rank_life(
         # exit); a follower stopping first would only break the hand-over's last steps.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        # A stop while the ranks connect and load is held until rank 0's worker is ready.
+        _early_stop.install()
     device = devices[rank]
     log.info(
         "worker %s rank %d of %d on %s: pid %d", worker_id, rank, len(devices), device, os.getpid()

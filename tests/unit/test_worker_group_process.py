@@ -320,3 +320,44 @@ def test_a_rank_leaves_its_process_group_however_its_serving_ends(
     assert served == [True]
     assert not dist.is_initialized()
     leave_group()  # without a group: nothing to do
+
+
+def _stopped_while_starting(give_up_after: float, conn: Any) -> None:
+    """A worker process stopped before Celery handles signals: what becomes of the SIGTERM."""
+    process.EARLY_STOP_SECONDS = give_up_after
+    early = process._EarlyStop()
+    early.install()
+    os.kill(os.getpid(), signal.SIGTERM)  # held: the process goes on
+    conn.send("held")
+    if give_up_after > 1:
+        # Celery starts and installs its own handler, then says it is ready.
+        signal.signal(signal.SIGTERM, lambda *_: conn.send("celery stops"))
+        early.replay()
+        conn.send("replayed")
+    time.sleep(5)
+    conn.send("never ended")
+
+
+def test_a_sigterm_before_celery_is_ready_is_held_and_sent_again_once_it_is() -> None:
+    fork = multiprocessing.get_context("fork")
+    ours, theirs = fork.Pipe()
+    child = fork.Process(target=_stopped_while_starting, args=(60.0, theirs))
+    child.start()
+    try:
+        assert ours.recv() == "held"
+        assert ours.recv() == "celery stops"  # Celery's handler got the replayed SIGTERM
+        assert ours.recv() == "replayed"
+    finally:
+        child.kill()
+        child.join(10)
+
+
+def test_a_sigterm_held_for_a_celery_that_never_gets_ready_ends_the_process() -> None:
+    fork = multiprocessing.get_context("fork")
+    ours, theirs = fork.Pipe()
+    child = fork.Process(target=_stopped_while_starting, args=(0.3, theirs))
+    child.start()
+    assert ours.recv() == "held"
+    child.join(10)
+    assert child.exitcode == 128 + signal.SIGTERM
+    assert not ours.poll()  # it never reached the end of its sleep
