@@ -120,3 +120,57 @@ def assert_same_samples(got: SampleResult | OpError, want: SampleResult) -> None
     assert (got.topk_prompt_logprobs is None) == (want.topk_prompt_logprobs is None)
     if want.topk_prompt_logprobs is not None and got.topk_prompt_logprobs is not None:
         np.testing.assert_array_equal(got.topk_prompt_logprobs[0], want.topk_prompt_logprobs[0])
+
+
+def join_gloo(rank: int, out: Path) -> None:
+    """Make this spawned process rank `rank` of a gloo group of WORLD ranks meeting in `out`,
+    with one torch thread and TIMEOUT on every collective."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out / 'rendezvous'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=TIMEOUT,
+    )
+
+
+def assert_steps_equal_one_engine(engine: Any, seen: dict[str, Any], prefix: str) -> None:
+    """The group's STEPS steps of RUNS (what rank 0 saw, `seen`) against `engine` running the
+    same calls on runs named `prefix` + run id: losses, usage, optimizer metrics and the
+    adapters after the steps."""
+    import pytest
+    import torch
+
+    from gpu_worker.protocol import ForwardBackwardResult
+    from tests.gpu_worker.helpers import assert_same_loss
+
+    names = {run: f"{prefix}{run}" for run in RUNS}
+    for run, (_, rank) in RUNS.items():
+        engine.create_run(names[run], TINY, lora(rank))
+    try:
+        for step in range(STEPS):
+            ops = [ForwardBackwardOp(names[o.run_id], o.data, o.loss_fn) for o in step_ops(step)]
+            for got, want in zip(seen["fb"][step], engine.forward_backward_batch(ops), strict=True):
+                assert isinstance(got, ForwardBackwardResult)
+                assert isinstance(want, ForwardBackwardResult)
+                assert_same_loss(got, want)
+                assert got.usage == want.usage
+            for run, metrics in zip(RUNS, seen["optim"][step], strict=True):
+                want_metrics = engine.optim_step(names[run], ADAM).metrics
+                # float32 drift grows with the steps (Adam divides small gradients by small
+                # moments): 1e-7 relative at the first step, near 2e-5 by the fifth
+                assert metrics["grad_norm:mean"] == pytest.approx(
+                    want_metrics["grad_norm:mean"], rel=1e-4
+                )
+                assert metrics["step:max"] == want_metrics["step:max"]
+        for run in RUNS:
+            want = engine.adapter(names[run]).named_tensors()
+            for key, value in seen["after_steps"][run].items():
+                torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5)
+    finally:
+        for name in names.values():
+            engine.remove_run(name)

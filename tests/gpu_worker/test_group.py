@@ -39,7 +39,9 @@ from tests.gpu_worker.group_helpers import (
     TIMEOUT,
     WORLD,
     assert_same_samples,
+    assert_steps_equal_one_engine,
     datums,
+    join_gloo,
     lora,
     sampling_params,
     start_group,
@@ -192,14 +194,7 @@ def _rank_main(rank: int, out: Path) -> None:
 
     from gpu_worker.group import GroupComm, GroupEngine, follow
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out / 'rendezvous'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=TIMEOUT,
-    )
+    join_gloo(rank, out)
     try:
         engine = Engine(EngineSettings(device="cpu", precision="fp32", num_threads=1))
         comm = GroupComm(idle_timeout=TIMEOUT)
@@ -254,32 +249,7 @@ def _group_grads(group_dir: Path, run: str) -> list[torch.Tensor]:
 
 
 def test_five_steps_of_three_runs_equal_one_engine(engine, seen):
-    names = {run: f"group-ref-{run}" for run in RUNS}
-    for run, (_, rank) in RUNS.items():
-        engine.create_run(names[run], TINY, lora(rank))
-    try:
-        for step in range(STEPS):
-            ops = [ForwardBackwardOp(names[o.run_id], o.data, o.loss_fn) for o in step_ops(step)]
-            for got, want in zip(seen["fb"][step], engine.forward_backward_batch(ops), strict=True):
-                assert isinstance(got, ForwardBackwardResult)
-                assert isinstance(want, ForwardBackwardResult)
-                assert_same_loss(got, want)
-                assert got.usage == want.usage
-            for run, metrics in zip(RUNS, seen["optim"][step], strict=True):
-                want_metrics = engine.optim_step(names[run], ADAM).metrics
-                # float32 drift grows with the steps (Adam divides small gradients by small
-                # moments): 1e-7 relative at the first step, near 2e-5 by the fifth
-                assert metrics["grad_norm:mean"] == pytest.approx(
-                    want_metrics["grad_norm:mean"], rel=1e-4
-                )
-                assert metrics["step:max"] == want_metrics["step:max"]
-        for run in RUNS:
-            want = engine.adapter(names[run]).named_tensors()
-            for key, value in seen["after_steps"][run].items():
-                torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5)
-    finally:
-        for name in names.values():
-            engine.remove_run(name)
+    assert_steps_equal_one_engine(engine, seen, "group-ref-")
     assert seen["pending"] == [[True] * len(RUNS)] * STEPS
     assert seen["pending_after"] == [False] * len(RUNS)
 
@@ -422,18 +392,9 @@ def test_a_share_interrupted_on_rank_1_interrupts_its_request(seen, expected_sam
 
 def _dying_main(rank: int, out: Path) -> None:
     """Rank 1 exits in the middle of a command; rank 0 records what its calls then raise."""
-    import torch.distributed as dist
-
     from gpu_worker.group import GroupComm, GroupEngine, GroupFailed, follow
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out / 'rendezvous'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=TIMEOUT,
-    )
+    join_gloo(rank, out)
     engine = Engine(EngineSettings(device="cpu", precision="fp32", num_threads=1))
     comm = GroupComm(idle_timeout=TIMEOUT)
     if rank == 1:

@@ -44,7 +44,9 @@ from tests.gpu_worker.group_helpers import (
     TIMEOUT,
     WORLD,
     assert_same_samples,
+    assert_steps_equal_one_engine,
     datums,
+    join_gloo,
     lora,
     start_group,
     step_ops,
@@ -131,14 +133,7 @@ def _rank_main(rank: int, out: Path) -> None:
 
     from gpu_worker.group import GroupComm, GroupEngine, follow
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out / 'rendezvous'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=TIMEOUT,
-    )
+    join_gloo(rank, out)
     try:
         engine = Engine(
             EngineSettings(
@@ -195,30 +190,7 @@ def test_each_rank_holds_half_the_base(engine, group_dir):
 
 
 def test_five_steps_on_a_sharded_base_equal_one_engine(engine, seen):
-    names = {run: f"fsdp-ref-{run}" for run in RUNS}
-    for run, (_, rank) in RUNS.items():
-        engine.create_run(names[run], TINY, lora(rank))
-    try:
-        for step in range(STEPS):
-            ops = [ForwardBackwardOp(names[o.run_id], o.data, o.loss_fn) for o in step_ops(step)]
-            for got, want in zip(seen["fb"][step], engine.forward_backward_batch(ops), strict=True):
-                assert isinstance(got, ForwardBackwardResult)
-                assert isinstance(want, ForwardBackwardResult)
-                assert_same_loss(got, want)
-                assert got.usage == want.usage
-            for run, metrics in zip(RUNS, seen["optim"][step], strict=True):
-                want_metrics = engine.optim_step(names[run], ADAM).metrics
-                assert metrics["grad_norm:mean"] == pytest.approx(
-                    want_metrics["grad_norm:mean"], rel=1e-4
-                )
-                assert metrics["step:max"] == want_metrics["step:max"]
-        for run in RUNS:
-            want = engine.adapter(names[run]).named_tensors()
-            for key, value in seen["after_steps"][run].items():
-                torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5)
-    finally:
-        for name in names.values():
-            engine.remove_run(name)
+    assert_steps_equal_one_engine(engine, seen, "fsdp-ref-")
 
 
 def test_an_empty_slice_and_uneven_passes_finish_and_equal_one_engine(engine, group_dir, seen):

@@ -28,7 +28,8 @@ from gpu_worker.sharding import (
     split_samples,
 )
 from gpu_worker.validation import CheckedDatum, CheckedOp
-from tests.gpu_worker.helpers import TINY, VOCAB, assert_same_loss, randomize_adapter
+from tests.gpu_worker.group_helpers import datums as group_datums
+from tests.gpu_worker.helpers import TINY, assert_same_loss, randomize_adapter
 
 pytestmark = pytest.mark.unit
 
@@ -149,19 +150,8 @@ RUNS = {  # run id: loss, LoRA rank
 }
 
 
-def datums(seed: int, loss: str, n: int = 5) -> list[Datum]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        T = int(rng.integers(6, 30))
-        inputs: dict[str, np.ndarray] = {"target_tokens": rng.integers(0, VOCAB, T)}
-        if loss == "cross_entropy":
-            inputs["weights"] = rng.uniform(0, 1, T).astype(np.float32)
-        else:
-            inputs["logprobs"] = -rng.uniform(5, 8, T).astype(np.float32)
-            inputs["advantages"] = rng.normal(size=T).astype(np.float32)
-        out.append(Datum(rng.integers(0, VOCAB, T), inputs))
-    return out
+def datums(seed: int, loss: str) -> list[Datum]:
+    return group_datums(seed, loss, n=5)
 
 
 def step_ops(step: int) -> list[ForwardBackwardOp]:
