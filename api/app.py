@@ -137,13 +137,15 @@ def create_app(settings: Settings | None = None, *, clock: Clock | None = None) 
     app.state.metrics = metrics_registry
     install_error_handlers(app)
     install_openapi(app)
+    # Routes are matched in this order, one by one: the routers of every op's requests (the
+    # long-poll, training, sampling, the heartbeat) come first.
     for module in (
-        client,
-        sessions,
-        training,
-        weights,
-        sampling,
         futures,
+        training,
+        sampling,
+        sessions,
+        client,
+        weights,
         models,
         hub,
         runs,
