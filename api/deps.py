@@ -86,7 +86,7 @@ def authenticate(state: AppState, raw: str | None) -> Principal:
     """The principal of API key `raw`, however it was sent."""
     # A read, so authentication never waits for the database's write lock; the last-used time
     # is written at most once a minute per key.
-    with state.database.reader() as db:
+    with state.database.rows() as db:
         principal = apikeys.authenticate(db, state.clock, state.server_secret, raw)
     if principal.stale_last_used:
         with state.database.transaction() as db:

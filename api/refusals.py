@@ -45,7 +45,7 @@ def keep_place(state: AppState, path: str, api_key: str | None, body: Any, messa
     if not isinstance(model_id, str) or type(seq_id) is not int or not 1 <= seq_id <= MAX_SEQ_ID:
         return
     try:
-        with state.database.reader() as db:
+        with state.database.rows() as db:
             principal = apikeys.authenticate(db, state.clock, state.server_secret, api_key)
         # A refused forward pass (forward_only) must not fail the run's next optim_step.
         content = {

@@ -78,7 +78,7 @@ def open_live_sampler(
 
 def read_op(state: AppState, tenant_id: str, request_id: str) -> FutureState:
     """Where the tenant's op `request_id` stands, read as a long-poll re-reads it."""
-    with state.database.reader() as db:
+    with state.database.rows() as db:
         return read_future(
             db, tenant_id, request_id, placed=state.settings.mode is Mode.DISTRIBUTED
         )

@@ -16,6 +16,7 @@ import secrets
 from datetime import datetime, timedelta
 
 from sqlalchemy import bindparam, select
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session as OrmSession
 
 from core import audit
@@ -114,7 +115,7 @@ _KEY_AND_TENANT = (
 
 
 def authenticate(
-    db: OrmSession, clock: Clock, server_secret: bytes, raw_key: str | None
+    db: Connection, clock: Clock, server_secret: bytes, raw_key: str | None
 ) -> Principal:
     if not raw_key:
         raise AuthenticationFailed("missing API key; send it in the X-API-Key header")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from sqlalchemy import bindparam, select
-from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.engine import Connection
 
 from billing.tables import UsageEvent
 from core.errors import NotFound
@@ -51,7 +51,7 @@ _SAMPLER_HOLDER = select(SamplingSession.worker_id).where(
 
 
 def read_future(
-    db: OrmSession, tenant_id: str, request_id: str, *, placed: bool = False
+    db: Connection, tenant_id: str, request_id: str, *, placed: bool = False
 ) -> FutureState:
     """The op's state. With `placed`, a queued op whose target no worker holds reports
     `paused_capacity` (distributed mode, while no live worker can take it)."""

@@ -124,7 +124,7 @@ def test_retention_prunes_only_what_nothing_replays_once_old_enough(rows: Rows) 
     assert [op.status for op in rows.ops(live)[7:]] == ["running", "queued"]
     assert rows.op(waiting).status == "queued"
     # A pruned op's future still answers with its result.
-    with rows.database.reader() as db:
+    with rows.database.rows() as db:
         assert read_future(db, tenant, sampled).result == b"tokens"
 
     rows.clock.advance(3600)
