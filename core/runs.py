@@ -11,11 +11,12 @@ transaction. Every read here is scoped by tenant.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, update
+from sqlalchemy import BigInteger, Executable, Integer, bindparam, case, func, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from core.clock import Clock
@@ -95,10 +96,69 @@ def touch(run: TrainingRun, now: datetime) -> None:
     run.last_request_at = now
 
 
-def advance(run: TrainingRun, seq_id: int, now: datetime) -> None:
-    """The run's op `seq_id` finished, either way: the next one may run."""
-    run.executed_seq_id = max(run.executed_seq_id, seq_id)
-    touch(run, now)
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a successful training op adds to its run's counters."""
+
+    optim_steps: int = 0
+    trained_tokens: int | None = None
+    """Tokens it trained on (None: it trains nothing, and the run's count stays as it is)."""
+
+
+NO_PROGRESS = Progress()
+
+
+class Advanced(NamedTuple):
+    """What `advance_run` reads back of the run it advanced."""
+
+    optim_steps: int
+    snapshot_uri: str | None
+
+
+def _advance_statement() -> Executable:
+    seq_id = bindparam("op_seq", type_=BigInteger)
+    trained = bindparam("trained", type_=BigInteger)
+    return (
+        update(TrainingRun)
+        .where(TrainingRun.id == bindparam("run_id"))
+        .values(
+            executed_seq_id=case(
+                (TrainingRun.executed_seq_id < seq_id, seq_id), else_=TrainingRun.executed_seq_id
+            ),
+            last_request_at=bindparam("now"),
+            optim_steps=TrainingRun.optim_steps + bindparam("steps", type_=Integer),
+            tokens_trained=case(
+                (trained.is_(None), TrainingRun.tokens_trained),
+                else_=func.coalesce(TrainingRun.tokens_trained, 0) + trained,
+            ),
+        )
+        .returning(TrainingRun.optim_steps, TrainingRun.snapshot_uri)
+        .execution_options(synchronize_session=False)
+    )
+
+
+# Built once: every training op runs it as it is recorded.
+_ADVANCE = _advance_statement()
+
+
+def advance(
+    db: OrmSession, run_id: str, seq_id: int, now: datetime, progress: Progress = NO_PROGRESS
+) -> Advanced | None:
+    """The run's op `seq_id` ended (either way): the next one may run, and `progress` is added
+    to the run's counters. One statement, which loads no run into the session (changes to a
+    run loaded before are written first); returns what it read back, or None when the run is
+    gone."""
+    row = db.execute(
+        _ADVANCE,
+        {
+            "run_id": run_id,
+            "op_seq": seq_id,
+            "now": now,
+            "steps": progress.optim_steps,
+            "trained": progress.trained_tokens,
+        },
+    ).first()
+    return None if row is None else Advanced(*row)
 
 
 def skip_to(run: TrainingRun, seq_id: int) -> None:
@@ -106,20 +166,9 @@ def skip_to(run: TrainingRun, seq_id: int) -> None:
     run.executed_seq_id = seq_id - 1
 
 
-def count_step(run: TrainingRun) -> None:
-    """An optimizer step succeeded."""
-    run.optim_steps += 1
-
-
 def set_steps(run: TrainingRun, steps: int) -> None:
     """The run's engine now counts `steps` optimizer steps (it loaded a checkpoint)."""
     run.optim_steps = steps
-
-
-def count_tokens(run: TrainingRun, tokens: int) -> None:
-    """A forward_backward trained the run on `tokens` more tokens (its result is recorded once:
-    recovery's replay re-runs the op on the engine but records nothing)."""
-    run.tokens_trained = (run.tokens_trained or 0) + tokens
 
 
 def loaded_from(run: TrainingRun, version_id: str | None) -> None:

@@ -35,6 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import aliased, defer
+from sqlalchemy.orm.attributes import set_committed_value
 
 from core import runs
 from core.tables import Operation, OpStatus, SamplingSession, TrainingRun
@@ -167,8 +168,12 @@ class ReadyQueries:
         return cls(training, samples)
 
 
-ANY_QUEUED = select(Operation.id).where(Operation.status == OpStatus.QUEUED).limit(1)
-"""Whether anything is queued at all: a cheap look before taking the write lock."""
+QUEUED_WORK = select(
+    exists().where(Operation.status == OpStatus.QUEUED, Operation.kind != OpKind.SAMPLE.value),
+    exists().where(Operation.status == OpStatus.QUEUED, Operation.kind == OpKind.SAMPLE.value),
+)
+"""Whether training ops and samples are queued, of any target: a cheap look before taking the
+write lock, which also spares the claim the query of the kind that has none."""
 
 
 def claim(
@@ -180,13 +185,15 @@ def claim(
     max_attempts: int,
     max_samples: int,
     busy: bool = False,
+    training: bool = True,
 ) -> tuple[list[Ready], list[Operation]]:
     """Mark what is ready now as running on `worker_id`, at most `max_samples` samples; also
     returns the ops given up instead (interrupted `max_attempts` times). An op interrupted
     before runs alone: if it is what brings a worker down, it takes nobody else with it. So
     while the worker is `busy` (samples of its decode loops in flight) it is not claimed, and
-    nothing else is either, until the loops have run dry."""
-    ready = [Ready(op, base) for op, base in db.execute(queries.training)]
+    nothing else is either, until the loops have run dry. Without `training`, only samples are
+    looked for (none of the other ops was queued a moment ago)."""
+    ready = [Ready(op, base) for op, base in db.execute(queries.training)] if training else []
     if max_samples > 0:
         ready += [
             Ready(op, base, version, live_run)
@@ -201,14 +208,37 @@ def claim(
     retried = [r for r in ready if r.op.attempts > 0]
     if retried:
         ready = [] if busy else [min(retried, key=lambda r: r.op.created_at)]
-    for r in ready:
-        r.op.status, r.op.started_at, r.op.attempts, r.op.worker_id = (
-            OpStatus.RUNNING,
-            now,
-            r.op.attempts + 1,
-            worker_id,
-        )
+    if ready:
+        _mark_running(db, [r.op for r in ready], worker_id, now)
     return ready, given_up
+
+
+# Built once: every claim runs it. One statement for the claim's ops, not one per op.
+_MARK_RUNNING = (
+    update(Operation)
+    .where(Operation.id.in_(bindparam("op_ids", expanding=True)))
+    .values(
+        status=OpStatus.RUNNING,
+        started_at=bindparam("now"),
+        attempts=Operation.attempts + 1,
+        worker_id=bindparam("claimer"),
+    )
+    .execution_options(synchronize_session=False)
+)
+
+
+def _mark_running(db: OrmSession, ops: list[Operation], worker_id: str, now: datetime) -> None:
+    """Mark `ops` running on `worker_id`, in the database and, as already written there, on
+    the loaded objects (so committing writes nothing more)."""
+    db.execute(_MARK_RUNNING, {"op_ids": [op.id for op in ops], "now": now, "claimer": worker_id})
+    for op in ops:
+        for name, value in (
+            ("status", OpStatus.RUNNING),
+            ("started_at", now),
+            ("attempts", op.attempts + 1),
+            ("worker_id", worker_id),
+        ):
+            set_committed_value(op, name, value)
 
 
 def release_gaps(db: OrmSession, now: datetime, gap_timeout: timedelta) -> None:
@@ -324,15 +354,19 @@ def give_up(db: OrmSession, op: Operation, now: datetime) -> None:
 
 
 def advance_run(
-    db: OrmSession, kind: OpKind, target_id: str, seq_id: int | None, now: datetime
-) -> TrainingRun | None:
-    """A training op ended (either way): its run's next op may run. Returns the run."""
+    db: OrmSession,
+    kind: OpKind,
+    target_id: str,
+    seq_id: int | None,
+    now: datetime,
+    progress: runs.Progress = runs.NO_PROGRESS,
+) -> runs.Advanced | None:
+    """A training op ended (either way): its run's next op may run, and a successful one adds
+    its `progress` to the run's counters (`runs.advance`). None for a sample, an op without
+    seq_id, or a run that is gone."""
     if kind is OpKind.SAMPLE or seq_id is None:
         return None
-    run = db.get(TrainingRun, target_id)
-    if run is not None:
-        runs.advance(run, seq_id, now)
-    return run
+    return runs.advance(db, target_id, seq_id, now, progress)
 
 
 # --- requeueing -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from core.clock import Clock, FakeClock
 from core.db import Database
 from core.objectstore import LocalArtifactStore
 from core.tables import Operation, SamplingSession, TrainingRun
-from scheduler import workers
+from scheduler import oplog, workers
 from scheduler.notify import InProcessNotifier
 from scheduler.ops import OpKind, encode_json_payload, encode_proto_payload
 from scheduler.submit import Submitted, submit, submit_training_op
@@ -238,8 +238,6 @@ class Rows:
         worker host records results (its `_store` needs an engine); seq_ids that never arrived
         count as released gaps."""
         with self.database.transaction() as db:
-            run = db.get(TrainingRun, run_id)
-            assert run is not None
             for op in db.scalars(
                 select(Operation).where(
                     Operation.target_id == run_id,
@@ -248,7 +246,10 @@ class Rows:
                 )
             ):
                 op.status, op.finished_at = "done", self.clock.now()
-            runs.advance(run, seq_id, self.clock.now())
+            advanced = oplog.advance_run(
+                db, OpKind.FORWARD_BACKWARD, run_id, seq_id, self.clock.now()
+            )
+            assert advanced is not None
 
     def op(self, request_id: str) -> Operation:
         with self.database.reader() as db:

@@ -151,9 +151,9 @@ class Executor:
                             codec=PROTO,
                             usage=usage_lines(r.usage),
                             # A forward pass bills its tokens but trains nothing.
-                            apply=None
+                            progress=runs.NO_PROGRESS
                             if o.forward_only
-                            else _count_tokens(t.target_id, r.usage.trained_tokens),
+                            else runs.Progress(trained_tokens=r.usage.trained_tokens),
                         ),
                     )
         return outcomes
@@ -308,13 +308,9 @@ class Executor:
             decode_payload(task.payload, task.payload_codec)
         )
         result = self.engine.optim_step(task.target_id, convert.adam(request.adam_params))
-
-        def apply(db: OrmSession) -> None:
-            run = db.get(TrainingRun, task.target_id)
-            if run is not None:
-                runs.count_step(run)
-
-        return Outcome.json(OptimStepResponse(metrics=result.metrics), apply=apply)
+        return Outcome.json(
+            OptimStepResponse(metrics=result.metrics), progress=runs.Progress(optim_steps=1)
+        )
 
     def _unload(self, task: Task) -> Outcome:
         self.engine.remove_run(task.target_id)
@@ -414,15 +410,6 @@ def _forward_only(payload: bytes, codec: str, max_body_bytes: int) -> bool:
         return _stored_forward_backward(payload, codec, max_body_bytes).forward_only
     except Exception:
         return False
-
-
-def _count_tokens(run_id: str, tokens: int) -> Callable[[OrmSession], None]:
-    def apply(db: OrmSession) -> None:
-        run = db.get(TrainingRun, run_id)
-        if run is not None:
-            runs.count_tokens(run, tokens)
-
-    return apply
 
 
 def _activate(run_id: str) -> Callable[[OrmSession], None]:

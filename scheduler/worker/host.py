@@ -551,9 +551,10 @@ class WorkerHost:
         # Look before taking the write lock: an idle engine must not contend with the API's
         # writes (on SQLite a contended BEGIN IMMEDIATE sleeps in the busy handler).
         # A plain connection, no ORM session: this runs twice per op, once finding nothing.
-        with self.database.engine.connect() as connection:
-            if connection.execute(oplog.ANY_QUEUED).first() is None:
-                return [], 0
+        with self.database.rows() as connection:
+            training, samples = connection.execute(oplog.QUEUED_WORK).one()
+        if not training and not samples:
+            return [], 0
         now = self.clock.now()
         with self.database.transaction() as db:
             # Gaps are given up after minutes: looking for them once a second is plenty.
@@ -566,8 +567,10 @@ class WorkerHost:
                 worker_id=self.worker_id,
                 now=now,
                 max_attempts=self.max_attempts,
-                max_samples=max(self.max_sample_batch - self.engine.sampling, 0),
+                # Samples queued since the look above wait for the wake-up their submission sends.
+                max_samples=max(self.max_sample_batch - self.engine.sampling, 0) if samples else 0,
                 busy=self.samples.in_flight > 0,
+                training=training,
             )
             tasks = []
             for r in ready:
@@ -640,7 +643,14 @@ class WorkerHost:
                     rates=self.prices,
                 )
             recorded = metrics.RecordedOp.of(op, outcome.usage if outcome.error is None else ())
-            run = oplog.advance_run(db, task.kind, task.target_id, task.seq_id, now)
+            run = oplog.advance_run(
+                db,
+                task.kind,
+                task.target_id,
+                task.seq_id,
+                now,
+                outcome.progress if outcome.error is None else runs.NO_PROGRESS,
+            )
             stepped = task.kind is OpKind.OPTIM_STEP and outcome.error is None
             due = None
             if run is not None and stepped and not run.optim_steps % self.snapshot_every_steps:
