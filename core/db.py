@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 _SQLITE_BEGIN = "treadle_sqlite_begin"
@@ -32,8 +34,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         return engine
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 40)
-    kwargs.setdefault("pool_pre_ping", True)
-    return create_engine(url, **kwargs)
+    engine = create_engine(url, **kwargs)
+    _ping_when_idle(engine)
+    return engine
 
 
 def _create_private(database: str | None) -> None:
@@ -45,6 +48,46 @@ def _create_private(database: str | None) -> None:
     # A missing folder is left for SQLite to report, as it always has.
     with contextlib.suppress(FileExistsError, FileNotFoundError):
         os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+PING_AFTER_IDLE_SECONDS = 5.0
+"""A pooled PostgreSQL connection idle this long is checked before use."""
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Check a pooled connection before use once it has been idle `PING_AFTER_IDLE_SECONDS`
+    (the server may have restarted, or a firewall dropped it meanwhile); a dead one is replaced
+    before the caller sees it. A connection in steady use is not pinged: that would add a round
+    trip to every transaction. If the server goes away while connections are busy, the
+    statement that finds out fails, and SQLAlchemy then replaces every connection of the pool
+    (on PostgreSQL a restart ends the transactions in progress anyway)."""
+
+    @event.listens_for(engine, "connect")
+    def _connected(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_CHECKED_IN] = time.monotonic()
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+        if record is not None:
+            record.info[_CHECKED_IN] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        if time.monotonic() - record.info.get(_CHECKED_IN, 0.0) < PING_AFTER_IDLE_SECONDS:
+            return
+        try:
+            cursor = dbapi_connection.cursor()
+            try:
+                cursor.execute("SELECT 1")
+            finally:
+                cursor.close()
+            dbapi_connection.rollback()
+        except Exception as exc:
+            # The pool discards this connection and checks out another (SQLAlchemy's recipe).
+            raise DisconnectionError(f"a pooled connection was dead: {exc}") from exc
+
+
+_CHECKED_IN = "treadle_checked_in"
 
 
 def _configure_sqlite(engine: Engine) -> None:

@@ -1,6 +1,7 @@
 """`/readyz` against real databases and Redis: ready when every check passes; not ready, naming
 the failed check, when the database is unreachable or behind the migrations, or Redis (in
-distributed mode) is unreachable; ready again once they are back. `/healthz` stays 200."""
+distributed mode) is unreachable; ready again once they are back. `/healthz` stays 200. And
+the pool's pooled PostgreSQL connections after the server dropped them."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from alembic.script import ScriptDirectory
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from api import dbschema
 from api import readiness as readiness_module
 from api.readiness import Readiness
+from core import db as db_module
 from core.db import Database
 from tests.builders import make_settings
 from tests.server import AppFactory
@@ -101,6 +104,33 @@ def test_unreachable_postgres_makes_the_app_not_ready_until_it_is_back(
         assert client.get("/api/v1/healthz").status_code == 200
         proxies[0].start()
         assert _wait_for(client, 200)["status"] == "ready"
+
+
+def test_a_pooled_connection_the_database_dropped_is_replaced(
+    postgres_url: str, proxies: list[TcpProxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = Database(_proxied(postgres_url, proxies))
+
+    def select_one() -> object:
+        with database.rows() as connection:
+            return connection.execute(text("SELECT 1")).scalar()
+
+    try:
+        assert select_one() == 1
+        proxies[0].stop()  # cuts the pooled connection
+        proxies[0].start()
+        # Used a moment ago, it is not checked before use: the statement that finds it dead
+        # fails, and the pool replaces its connections.
+        with pytest.raises(OperationalError):
+            select_one()
+        assert select_one() == 1
+        proxies[0].stop()
+        proxies[0].start()
+        # Idle for long enough (here at once), it is checked and replaced before use.
+        monkeypatch.setattr(db_module, "PING_AFTER_IDLE_SECONDS", 0.0)
+        assert select_one() == 1
+    finally:
+        database.dispose()
 
 
 def test_distributed_app_is_not_ready_without_redis(
