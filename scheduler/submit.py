@@ -66,7 +66,7 @@ def submit(
     if seq_id is not None:
         existing = _existing(db, tenant_id, target_id, seq_id, kind)
         if existing is not None:
-            return Submitted(existing.id, duplicate=True)
+            return Submitted(existing, duplicate=True)
     locked = _admit(db, tenant_id, kind, next_in_order)
     reserved = 0
     if estimate is not None and kind is not OpKind.UNLOAD_MODEL:
@@ -102,7 +102,7 @@ def submit(
         assert seq_id is not None  # only a seq_id can conflict
         existing = _existing(db, tenant_id, target_id, seq_id, kind)
         assert existing is not None  # the twin's row is what refused this one
-        return Submitted(existing.id, duplicate=True)
+        return Submitted(existing, duplicate=True)
     return Submitted(request_id, duplicate=False, queued_kind=kind.value)
 
 
@@ -150,16 +150,19 @@ def _admit(db: OrmSession, tenant_id: str, kind: OpKind, next_in_order: bool) ->
     return tenant
 
 
-# Looked up on every submission: built once (see `_existing`).
-_AT_SEQ = select(Operation).where(
+# Looked up on every submission: built once, and only the columns the check needs (the op's
+# payload can be large).
+_AT_SEQ = select(Operation.id, Operation.tenant_id, Operation.kind).where(
     Operation.target_id == bindparam("target_id"), Operation.seq_id == bindparam("seq_id")
 )
 
 
 def _existing(
     db: OrmSession, tenant_id: str, target_id: str, seq_id: int, kind: OpKind
-) -> Operation | None:
-    existing = db.scalar(_AT_SEQ, {"target_id": target_id, "seq_id": seq_id})
+) -> str | None:
+    """The id of the op already at (`target_id`, `seq_id`), if any: a resubmission. A foreign
+    tenant's op there is a 404, and one of another kind a user error."""
+    existing = db.execute(_AT_SEQ, {"target_id": target_id, "seq_id": seq_id}).first()
     if existing is None:
         return None
     if existing.tenant_id != tenant_id:
@@ -169,7 +172,7 @@ def _existing(
             f"seq_id {seq_id} of {target_id} was already used by a {existing.kind} request; "
             "each request of a client needs its own seq_id"
         )
-    return existing
+    return existing.id
 
 
 def submit_training_op(
