@@ -25,10 +25,16 @@ class Server(NamedTuple):
 
 
 @contextlib.contextmanager
-def embedded_server(port: int, *, threads: int, models: list[str]) -> Iterator[Server]:
-    """A fresh `treadle-server serve` on 127.0.0.1:port: its URL, API key and process id."""
+def embedded_server(
+    port: int, *, threads: int, models: list[str], source: Path | None = None
+) -> Iterator[Server]:
+    """A fresh `treadle-server serve` on 127.0.0.1:port: its URL, API key and process id.
+    `source` runs the server packages of another checkout of this repository (its root, put
+    first on the server's import path) with this environment's dependencies."""
     data = tempfile.mkdtemp(prefix="treadle-bench-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
     env.update(
         TREADLE_DATA_DIR=data,
         TREADLE_TORCH_THREADS=str(threads),
