@@ -160,6 +160,24 @@ def test_samples_are_claimed_oldest_first_up_to_the_batch_size(
     assert _claim(host) == []
 
 
+def test_a_claim_takes_whichever_kinds_are_queued_training_ops_samples_or_both(
+    rows: Rows, make_host: HostFactory
+) -> None:
+    # The look before the claim says which kinds are queued; the claim queries only those.
+    host = make_host()
+    [run] = _created(rows, host, 1)
+    sampler = rows.sampler(rows.tenant())
+    rows.sample_op(sampler, 1)
+    assert _claim(host) == [(sampler, 1)]
+    rows.training_op(run, 1)
+    assert _claim(host) == [(run, 1)]
+    rows.executed(run, 1)
+    rows.training_op(run, 2)
+    rows.sample_op(sampler, 2)
+    assert sorted(_claim(host)) == sorted([(run, 2), (sampler, 2)])
+    assert _claim(host) == []
+
+
 def test_an_op_claimed_max_attempts_times_is_given_up_and_its_run_goes_on(
     rows: Rows, make_host: HostFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
