@@ -17,7 +17,7 @@ from core.apikeys import Principal
 from core.errors import ErrorCode, InvalidInput, RateLimited, SessionExpired, TreadleError
 from core.ids import training_run_id
 from core.settings import Mode
-from core.tables import ModelVersion, RunStatus, SamplingSession, Tenant, TrainingRun
+from core.tables import ModelVersion, SamplingSession, Tenant, TrainingRun
 from scheduler import oplog
 from scheduler.admission import admit_training_run
 from scheduler.futures import FutureState, read_future
@@ -36,9 +36,11 @@ def active_run(db: OrmSession, state: AppState, principal: Principal, model_id: 
         session_id=run.session_id,
         ttl_seconds=state.settings.session_ttl_seconds,
     )
-    if run.status in (RunStatus.UNLOADED, RunStatus.FAILED):
+    end = runs.ended(run)
+    if end is not None:
         raise InvalidInput(
-            f"training run {model_id} was {run.status}; create a new training client"
+            f"training run {model_id} {end}; create a new training client (from its last "
+            "checkpoint to go on from there)"
         )
     return run
 

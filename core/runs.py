@@ -91,6 +91,24 @@ def unload(run: TrainingRun) -> None:
     run.status = RunStatus.UNLOADED
 
 
+def fail(run: TrainingRun) -> None:
+    """The run's state was lost and cannot be rebuilt: it never runs again."""
+    run.status = RunStatus.FAILED
+
+
+def ended(run: TrainingRun) -> str | None:
+    """How an unloaded or failed run ended, as the refusals of its requests say it (None while
+    it may still run)."""
+    if run.status == RunStatus.UNLOADED:
+        return "was unloaded"
+    if run.status == RunStatus.FAILED:
+        return (
+            "failed (its state was lost, by a restart or with a worker, and could not be "
+            "restored; its failed requests say why)"
+        )
+    return None
+
+
 def touch(run: TrainingRun, now: datetime) -> None:
     """A request for the run arrived or finished."""
     run.last_request_at = now
@@ -301,10 +319,11 @@ def live_refusal(run: TrainingRun, session_status: str | None) -> str | None:
             f"training run {run.id} no longer holds weights to sample: its session ended; "
             "save a checkpoint while the run is live and sample that, or sample a new run"
         )
-    if run.status in (RunStatus.UNLOADED, RunStatus.FAILED):
+    end = ended(run)
+    if end is not None:
         return (
-            f"training run {run.id} was {run.status} and holds no weights to sample; sample a "
-            "checkpoint it saved, or a live run"
+            f"training run {run.id} {end} and holds no weights to sample; sample a checkpoint "
+            "it saved, or a live run"
         )
     return None
 

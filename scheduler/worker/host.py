@@ -500,6 +500,7 @@ class WorkerHost:
         try:
             restore_run(self.engine, self.store, self.database, self.executor, run_id)
         except RestoreImpossible as exc:
+            self._fail_run(run_id, str(exc))
             return Outcome.failed(OpFailure.server(str(exc)))
         except Exception as exc:
             log.exception("restoring %s failed", run_id)
@@ -510,6 +511,20 @@ class WorkerHost:
                 )
             )
         return None
+
+    def _fail_run(self, run_id: str, reason: str) -> None:
+        """Mark a run that can never be restored failed, so that its session's next requests
+        on it are refused at once rather than queued to fail the same way. Its ops already
+        queued fail as this one did, each trying the restore again."""
+        log.error("training run %s failed: %s", run_id, reason)
+        try:
+            with self.database.transaction() as db:
+                run = db.get(TrainingRun, run_id)
+                if run is not None:
+                    runs.fail(run)
+        except Exception:
+            # Its requests still fail one by one; marking it is tried again at the next one.
+            log.exception("could not mark training run %s failed", run_id)
 
     def _snapshot(self, task: Task, due: SnapshotDue) -> None:
         """Save the run's state after this optimizer step, so recovery replays only a little."""

@@ -191,3 +191,46 @@ def test_replay_repeats_steps_refused_after_a_failed_forward_backward(
         assert _forward_loss(client, headers, run_id, seq_id=13) == pytest.approx(
             expected_second, rel=1e-6
         )
+
+
+def test_a_run_that_cannot_be_restored_fails_and_its_next_requests_are_refused(
+    app_factory: AppFactory,
+) -> None:
+    app = app_factory(snapshot_every_steps=2)
+    state = app.state.treadle
+    key = tenant_factory(state.database, state.settings)().key
+    headers = {"X-API-Key": key}
+    with TestClient(app) as client:
+        session_id = client.post("/api/v1/create_session", json={}, headers=headers).json()[
+            "session_id"
+        ]
+        run_id = _train(client, headers, session_id, 0, steps=2)
+    with state.database.reader() as db:
+        run = db.get(TrainingRun, run_id)
+        assert run is not None and run.snapshot_uri is not None
+        snapshot = run.snapshot_uri
+    state.store.delete(snapshot)  # what the restore needs is gone
+
+    restarted = create_app(state.settings)  # a new engine that holds no runs
+    with TestClient(restarted) as client:
+        fb = {"model_id": run_id, "seq_id": 5, "data": [DATUM], "loss_fn": "cross_entropy"}
+        submitted = client.post("/api/v1/forward_backward", json=fb, headers=headers)
+        assert submitted.status_code == 200, submitted.text
+        answer: dict[str, object] = {"type": "try_again"}
+        while answer.get("type") == "try_again":
+            answer = client.post(
+                "/api/v1/retrieve_future",
+                json={"request_id": submitted.json()["request_id"]},
+                headers=headers,
+            ).json()
+        assert "missing from the artifact store" in str(answer["error"]), answer
+        with state.database.reader() as db:
+            run = db.get(TrainingRun, run_id)
+            assert run is not None and run.status == "failed"
+        # Its next request is refused at once, saying what happened and what to do.
+        step = {"model_id": run_id, "seq_id": 6, "adam_params": {"learning_rate": 0.01}}
+        refused = client.post("/api/v1/optim_step", json=step, headers=headers)
+        assert refused.status_code == 422, refused.text
+        message = refused.json()["detail"]
+        assert f"training run {run_id} failed" in message, message
+        assert "create a new training client" in message, message
