@@ -106,7 +106,8 @@ def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
         mode = conn.get_execution_options().get(_SQLITE_BEGIN, "DEFERRED")
-        conn.exec_driver_sql(f"BEGIN {mode}")
+        if mode is not None:  # None: each statement on its own (the driver autocommits)
+            conn.exec_driver_sql(f"BEGIN {mode}")
 
 
 class Database:
@@ -118,6 +119,12 @@ class Database:
         # Options set once here rather than on each session's connection, which would copy it.
         writes = self.engine.execution_options(**{_SQLITE_BEGIN: "IMMEDIATE"})
         self._writers = sessionmaker(writes, expire_on_commit=False)
+        # Statements each on their own, no transaction around them: on PostgreSQL that spares a
+        # BEGIN and a ROLLBACK, a round trip each (SQLite's driver autocommits already; setting
+        # its isolation level would undo that).
+        self._statements = self.engine.execution_options(
+            **({_SQLITE_BEGIN: None} if self.is_sqlite else {"isolation_level": "AUTOCOMMIT"})
+        )
 
     @property
     def is_sqlite(self) -> bool:
@@ -142,11 +149,12 @@ class Database:
 
     @contextmanager
     def rows(self) -> Iterator[Connection]:
-        """Like `reader()`, on a plain connection: for the reads every request makes, which run
-        prebuilt Core statements and need no ORM objects. Without an ORM session around it, a
-        short read costs about a third as much."""
-        # Closing the connection ends its read transaction (a rollback: nothing was written).
-        with self.engine.connect() as connection:
+        """A plain connection for the reads every request makes, which run prebuilt Core
+        statements and need no ORM objects: without an ORM session a short read costs about a
+        third as much. Each statement runs on its own, in no transaction, so it sees what was
+        committed when it ran, as each statement of a `reader()` does on PostgreSQL (read
+        committed): a caller that reads twice must not need the two reads to agree."""
+        with self._statements.connect() as connection:
             yield connection
 
     @contextmanager

@@ -3,8 +3,8 @@
 Every transaction is a round trip to the database and, on SQLite, a turn at the write lock. An
 op needs three writes: the acknowledged request (it must survive a crash of the server), the
 claim, and the recorded result with its usage. Reads are authentication (one per HTTP
-request), the long-poll's reads of the future, and the engine's cheap look for queued work.
-These ceilings hold the hot path to that; a change that adds a transaction per op fails here.
+request), the long-poll's reads of the future, and the engine's cheap look for queued work,
+each a statement on its own, outside any transaction. These ceilings hold the hot path to that; a change that adds a transaction per op fails here.
 """
 
 from __future__ import annotations
@@ -86,13 +86,13 @@ def test_an_op_costs_three_writes_and_a_few_reads(app: EmbeddedApp, route: str, 
     for seq in range(2, 2 + OPS):
         app.op(headers, route, body(run, seq))
     counts = counter.take()
-    writes, reads = counts["IMMEDIATE"] / OPS, counts["DEFERRED"] / OPS
     # Writes: the acknowledged request, the claim, the recorded result.
-    assert writes == 3, counts
+    assert counts["IMMEDIATE"] / OPS == 3, counts
     # Reads: authentication of the submit and of each long-poll, the future's state (read
     # before waiting and once woken), and the engine's look for work before it claims and
-    # after it ran. An idle engine's poll may fall into the window now and then.
-    assert reads <= 6.5, counts
+    # after it ran: each a statement on its own, in no transaction (`Database.rows()`). Only
+    # the engine's sweep of ended sessions, every 15 s, may open a read transaction here.
+    assert counts["DEFERRED"] <= 1, counts
     # Statements, beside the transactions: each is a round trip and a turn through SQLAlchemy.
     # The submit checks the key, reads the run, its session and the seq_id's twin, inserts
     # and touches the run; the claim reads what is ready and marks it; the record writes the
