@@ -127,7 +127,7 @@ NO_PROGRESS = Progress()
 
 
 class Advanced(NamedTuple):
-    """What `advance_run` reads back of the run it advanced."""
+    """What `advance` reads back of the run it advanced."""
 
     optim_steps: int
     snapshot_uri: str | None
