@@ -32,30 +32,63 @@ def quantiles_ms(samples: list[float]) -> dict[str, float]:
     }
 
 
+class TinyOps:
+    """optim_steps on a rank-1 adapter of the 1M model through the tinker SDK, each submitted
+    and awaited alone, after `warm_up` unmeasured; measured in batches (`run`): their round
+    trips in ms, and the CPU time process `server_pid` spent meanwhile."""
+
+    def __init__(
+        self, base_url: str, key: str, server_pid: int | None = None, warm_up: int = 5
+    ) -> None:
+        import tinker
+        from tinker import types
+
+        self._pid = server_pid
+        self._client = tinker.ServiceClient(base_url=base_url, api_key=key)
+        self._trainer = self._client.create_lora_training_client(
+            base_model="treadle/tiny-1m", rank=1
+        ).result()
+        self._adam = types.AdamParams()
+        self.rtts: list[float] = []
+        self._cpu_seconds: float | None = 0.0
+        for _ in range(warm_up):
+            self._trainer.optim_step(self._adam).result()
+
+    def _cpu(self) -> float | None:
+        return None if self._pid is None else process_cpu_seconds(self._pid)
+
+    def run(self, n: int) -> None:
+        """`n` more measured round trips."""
+        cpu_before = self._cpu()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self._trainer.optim_step(self._adam).result()
+            self.rtts.append((time.perf_counter() - t0) * 1000)
+        cpu_after = self._cpu()
+        if self._cpu_seconds is not None and cpu_before is not None and cpu_after is not None:
+            self._cpu_seconds += cpu_after - cpu_before
+        else:
+            self._cpu_seconds = None
+
+    def cpu_ms_per_op(self) -> float | None:
+        """The server's CPU time per measured op (None where unknown)."""
+        if self._cpu_seconds is None or not self.rtts:
+            return None
+        return round(self._cpu_seconds * 1000 / len(self.rtts), 2)
+
+    def close(self) -> None:
+        self._client.close("success").result(timeout=60)
+
+
 def _optim_step_round_trips(
     base_url: str, key: str, n: int, server_pid: int | None = None
 ) -> tuple[list[float], float | None]:
-    """`n` optim_steps on a rank-1 adapter of the 1M model through the tinker SDK, each
-    submitted and awaited alone, after 5 unmeasured: their round trips in ms, and the CPU time
-    per op of process `server_pid` over the measured ones (None where unknown)."""
-    import tinker
-    from tinker import types
-
-    client = tinker.ServiceClient(base_url=base_url, api_key=key)
-    trainer = client.create_lora_training_client(base_model="treadle/tiny-1m", rank=1).result()
-    for _ in range(5):
-        trainer.optim_step(types.AdamParams()).result()
-    rtts = []
-    cpu_before = None if server_pid is None else process_cpu_seconds(server_pid)
-    for _ in range(n):
-        t0 = time.perf_counter()
-        trainer.optim_step(types.AdamParams()).result()
-        rtts.append((time.perf_counter() - t0) * 1000)
-    cpu_after = None if server_pid is None else process_cpu_seconds(server_pid)
-    client.close("success").result(timeout=60)
-    if cpu_before is None or cpu_after is None:
-        return rtts, None
-    return rtts, round((cpu_after - cpu_before) * 1000 / n, 2)
+    """`n` round trips of `TinyOps`, and the CPU time per op of process `server_pid` over
+    them (None where unknown)."""
+    ops = TinyOps(base_url, key, server_pid)
+    ops.run(n)
+    ops.close()
+    return ops.rtts, ops.cpu_ms_per_op()
 
 
 def sdk_floor(n: int = 200) -> dict[str, float]:

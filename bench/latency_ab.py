@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._latency import process_cpu_seconds, quantiles_ms  # noqa: E402
+from bench._latency import TinyOps, quantiles_ms  # noqa: E402
 from bench._server import embedded_server  # noqa: E402
 
 
@@ -53,40 +52,13 @@ def worktree(revision: str) -> Iterator[Path]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
-class Side:
-    """One server under test: a training client on it and what was measured so far."""
-
-    def __init__(self, url: str, key: str, pid: int) -> None:
-        import tinker
-        from tinker import types
-
-        self.pid = pid
-        self.client = tinker.ServiceClient(base_url=url, api_key=key)
-        self.trainer = self.client.create_lora_training_client(
-            base_model="treadle/tiny-1m", rank=1
-        ).result()
-        self.adam = types.AdamParams()
-        self.rtts: list[float] = []
-        self.cpu_seconds = 0.0
-        self.batch(10, measured=False)
-
-    def batch(self, n: int, *, measured: bool = True) -> None:
-        cpu = process_cpu_seconds(self.pid)
-        for _ in range(n):
-            start = time.perf_counter()
-            self.trainer.optim_step(self.adam).result()
-            if measured:
-                self.rtts.append((time.perf_counter() - start) * 1000)
-        if measured and cpu is not None:
-            self.cpu_seconds += (process_cpu_seconds(self.pid) or cpu) - cpu
-
-    def report(self) -> dict[str, Any]:
-        self.client.close("success").result(timeout=60)
-        return {
-            "rtt_ms": quantiles_ms(self.rtts),
-            "mean_ms": round(statistics.mean(self.rtts), 2),
-            "cpu_ms_per_op": round(self.cpu_seconds * 1000 / len(self.rtts), 2),
-        }
+def report(ops: TinyOps) -> dict[str, Any]:
+    ops.close()
+    return {
+        "rtt_ms": quantiles_ms(ops.rtts),
+        "mean_ms": round(statistics.mean(ops.rtts), 2),
+        "cpu_ms_per_op": ops.cpu_ms_per_op(),
+    }
 
 
 def main() -> None:
@@ -105,11 +77,11 @@ def main() -> None:
         embedded_server(free_port(), threads=1, models=models, source=base_tree) as base,
         embedded_server(free_port(), threads=1, models=models, source=ROOT) as this,
     ):
-        sides = {"base": Side(*base), "this": Side(*this)}
+        sides = {"base": TinyOps(*base, warm_up=10), "this": TinyOps(*this, warm_up=10)}
         for round_ in range(args.rounds):
             for name in ("base", "this") if round_ % 2 == 0 else ("this", "base"):
-                sides[name].batch(args.batch)
-        reports = {name: side.report() for name, side in sides.items()}
+                sides[name].run(args.batch)
+        reports = {name: report(ops) for name, ops in sides.items()}
     print(
         json.dumps(
             {
