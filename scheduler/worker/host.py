@@ -658,7 +658,7 @@ class WorkerHost:
                     rates=self.prices,
                 )
             recorded = metrics.RecordedOp.of(op, outcome.usage if outcome.error is None else ())
-            run = oplog.advance_run(
+            advanced = oplog.advance_run(
                 db,
                 task.kind,
                 task.target_id,
@@ -668,6 +668,10 @@ class WorkerHost:
             )
             stepped = task.kind is OpKind.OPTIM_STEP and outcome.error is None
             due = None
-            if run is not None and stepped and not run.optim_steps % self.snapshot_every_steps:
-                due = SnapshotDue(previous=run.snapshot_uri)
+            if (
+                advanced is not None
+                and stepped
+                and not advanced.optim_steps % self.snapshot_every_steps
+            ):
+                due = SnapshotDue(previous=advanced.snapshot_uri)
         return recorded, due
