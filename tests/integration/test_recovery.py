@@ -119,9 +119,14 @@ def test_restarted_server_restores_runs(app_factory: AppFactory, snapshot_every_
 
 
 def _failure(
-    client: TestClient, headers: dict[str, str], path: str, body: dict[str, object]
+    client: TestClient,
+    headers: dict[str, str],
+    path: str,
+    body: dict[str, object],
+    category: str = "user",
 ) -> str:
-    """Submit an op that must fail through its future with a `user` error; returns the error."""
+    """Submit an op that must fail through its future with an error of `category`; returns
+    the error."""
     response = client.post(f"/api/v1/{path}", json=body, headers=headers)
     assert response.status_code == 200, response.text
     deadline = time.monotonic() + 120
@@ -132,7 +137,7 @@ def _failure(
             headers=headers,
         ).json()
         if answer.get("type") != "try_again":
-            assert answer.get("category") == "user", answer
+            assert answer.get("category") == category, answer
             return str(answer["error"])
     raise AssertionError("no result")
 
@@ -214,16 +219,8 @@ def test_a_run_that_cannot_be_restored_fails_and_its_next_requests_are_refused(
     restarted = create_app(state.settings)  # a new engine that holds no runs
     with TestClient(restarted) as client:
         fb = {"model_id": run_id, "seq_id": 5, "data": [DATUM], "loss_fn": "cross_entropy"}
-        submitted = client.post("/api/v1/forward_backward", json=fb, headers=headers)
-        assert submitted.status_code == 200, submitted.text
-        answer: dict[str, object] = {"type": "try_again"}
-        while answer.get("type") == "try_again":
-            answer = client.post(
-                "/api/v1/retrieve_future",
-                json={"request_id": submitted.json()["request_id"]},
-                headers=headers,
-            ).json()
-        assert "missing from the artifact store" in str(answer["error"]), answer
+        error = _failure(client, headers, "forward_backward", fb, category="server")
+        assert "missing from the artifact store" in error, error
         with state.database.reader() as db:
             run = db.get(TrainingRun, run_id)
             assert run is not None and run.status == "failed"
